@@ -1,0 +1,22 @@
+"""retrofitter: convert a pretrained Transformer LM into a cheaper architecture without pre-training.
+
+Public API (lazy, so ``import retrofitter`` stays cheap):
+``compress``, ``linearize``, ``evaluate``, ``load``, ``save``, ``CompressConfig``, ``LinearizeConfig``.
+"""
+
+__version__ = "0.1.0"
+
+_API_NAMES = {"compress", "linearize", "evaluate", "load", "save", "load_model"}
+_CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "EvalConfig"}
+
+
+def __getattr__(name):
+    if name in _API_NAMES:
+        from . import api
+
+        return getattr(api, name)
+    if name in _CONFIG_NAMES:
+        from . import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'retrofitter' has no attribute {name!r}")

@@ -1,0 +1,13 @@
+"""Model-family wiring (the only package that knows HF model internals)."""
+
+from .base import AttentionLayout, ModelAdapter
+from .registry import ADAPTERS, UnsupportedArchitectureError, adapter_for, supported_architectures
+
+__all__ = [
+    "ADAPTERS",
+    "AttentionLayout",
+    "ModelAdapter",
+    "UnsupportedArchitectureError",
+    "adapter_for",
+    "supported_architectures",
+]

@@ -1,0 +1,158 @@
+"""Model-family adapters: the only place that knows Hugging Face model internals.
+
+An adapter describes, for one family of decoder-only models, where the pieces of a decoder layer
+are and how they are wired, so that pipelines can stay generic (design.md §1, guideline 3):
+
+* ``decoder_layers(model)``: the ``nn.ModuleList`` of decoder layers;
+* ``attention_layout(model)``: head counts and sizes (:class:`AttentionLayout`);
+* ``linear_groups``: the linear projections of a layer, grouped by the input they read
+  (``("q", "k", "v")`` read the normalised attention input, ``("o",)`` the attention mix, ...), in
+  execution order — the order in which a sequential pipeline may compress them;
+* ``get_linear(layer, name)`` / ``set_linear(layer, name, module)``;
+* ``mlp_kind``: ``"gated"`` (down(act(gate x) ⊙ up x)) or ``"plain"`` (fc2(act(fc1 x)))
+  and ``mlp_activation(layer)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["AttentionLayout", "ModelAdapter"]
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Head layout of a model's attention: q has ``n_heads`` heads, k and v ``n_kv_heads`` (GQA)."""
+
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    uses_rope: bool
+    has_bias: bool
+
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """Wiring of one model family. Instances live in ``adapters.registry.ADAPTERS``."""
+
+    family: str
+    decoder_path: str  # attribute path from the CausalLM to the decoder-layer ModuleList
+    linear_paths: dict[str, str]  # logical name -> attribute path inside a decoder layer
+    linear_groups: tuple[tuple[str, ...], ...]  # names grouped by shared input, in execution order
+    attention_path: str
+    mlp_path: str
+    mlp_kind: str  # "gated" | "plain"
+    activation_path: str  # attribute path (inside the layer) of the MLP activation callable
+    uses_rope: bool
+    layout_fn: Callable[[object], AttentionLayout]
+    final_norm_path: str  # norm applied after the last decoder layer (may resolve to None)
+    final_projection_path: str = ""  # optional projection after the final norm (OPT's project_out)
+
+    # ---- navigation -----------------------------------------------------------------------
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return _get_path(model, self.decoder_path)
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return _get_path(layer, self.attention_path)
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        return _get_path(layer, self.mlp_path)
+
+    def mlp_activation(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return _get_path(layer, self.activation_path)
+
+    def attention_layout(self, model: nn.Module) -> AttentionLayout:
+        return self.layout_fn(model.config)
+
+    @property
+    def linear_names(self) -> tuple[str, ...]:
+        return tuple(name for group in self.linear_groups for name in group)
+
+    def get_linear(self, layer: nn.Module, name: str) -> nn.Module:
+        if name not in self.linear_paths:
+            raise KeyError(f"{self.family} layers have no projection {name!r}; they have {sorted(self.linear_paths)}")
+        return _get_path(layer, self.linear_paths[name])
+
+    def set_linear(self, layer: nn.Module, name: str, module: nn.Module) -> None:
+        parent_path, _, attr = self.linear_paths[name].rpartition(".")
+        parent = _get_path(layer, parent_path) if parent_path else layer
+        setattr(parent, attr, module)
+
+    def capture_first_layer_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Run the embeddings only and return what the first decoder layer receives.
+
+        Returns ``(hidden_states [b, n, d], layer_kwargs)``; ``layer_kwargs`` (attention mask,
+        position embeddings, ...) are what HF passes to every decoder layer, so any layer can be
+        called later as ``layer(hidden_states, **layer_kwargs)`` with HF's own forward.
+        """
+        captured: dict = {}
+
+        def grab(_module, args, kwargs):
+            captured["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+            captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            raise _StopForward
+
+        first = self.decoder_layers(model)[0]
+        handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            model(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        kwargs = captured["kwargs"]
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        kwargs["use_cache"] = False
+        return captured["hidden"], kwargs
+
+    def final_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Apply what follows the last decoder layer, up to (not including) the LM head."""
+        norm = _get_path(model, self.final_norm_path)
+        if norm is not None:
+            hidden = norm(hidden)
+        if self.final_projection_path:
+            projection = _get_path(model, self.final_projection_path)
+            if projection is not None:
+                hidden = projection(hidden)
+        return hidden
+
+    def logits_from_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [b, n, vocab] from the output of the last decoder layer."""
+        return model.get_output_embeddings()(self.final_hidden(model, hidden))
+
+    def linear_path_in_model(self, layer_index: int, name: str) -> str:
+        """Dotted module path of a projection inside the CausalLM (e.g. for ``get_submodule``)."""
+        return f"{self.decoder_path}.{layer_index}.{self.linear_paths[name]}"
+
+    def embedding_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Token (and learned position) embeddings and the LM head, for parameter accounting."""
+        modules = [model.get_input_embeddings()]
+        head = model.get_output_embeddings()
+        if head is not None:
+            modules.append(head)
+        return modules
+
+
+class _StopForward(Exception):
+    """Raised by a hook to stop a forward pass once the first layer's inputs are captured."""
+
+
+def _get_path(root: nn.Module, path: str):
+    """``root.a.b.0.c`` for path ``"a.b.0.c"``; the empty path is ``root`` itself."""
+    obj = root
+    if not path:
+        return obj
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj

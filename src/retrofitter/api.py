@@ -1,0 +1,127 @@
+"""Public API: ``load_model``, ``evaluate``, ``compress``, ``save``, ``load`` (design.md §1, guideline 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import is_retrofitted_dir, load_retrofitted, save_retrofitted
+from .config import CompressConfig, EvalConfig
+from .eval.accounting import account
+from .eval.perplexity import perplexity
+from .eval.resources import peak_rss_mb, timed
+
+__all__ = ["load_model", "load", "save", "evaluate", "compress", "write_json"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(name_or_path: str, dtype="float32", device="cpu"):
+    """``(model, tokenizer)`` for a built-in alias, a local HF dir, a saved retrofitter dir or a hub id.
+
+    Weights load from safetensors only; no remote code is ever executed.
+    """
+    import transformers
+
+    from .data.models import resolve_model_source
+
+    dtype = resolve_dtype(dtype)
+    source = resolve_model_source(name_or_path)
+    if is_retrofitted_dir(source):
+        model = load_retrofitted(source, dtype=dtype, device=device)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    model.name_or_path = str(name_or_path)
+    return model, tokenizer
+
+
+def load(path, dtype="float32", device="cpu"):
+    """Load a saved retrofitter directory (or any model ``load_model`` accepts): returns ``(model, tokenizer)``."""
+    return load_model(str(path), dtype=dtype, device=device)
+
+
+def save(model: nn.Module, out, tokenizer=None, metadata: dict | None = None, overwrite: bool = False) -> Path:
+    """Save a (retrofitted) model as safetensors + config.json + retrofitter.json, atomically."""
+    return save_retrofitted(model, out, metadata or {}, tokenizer=tokenizer, overwrite=overwrite)
+
+
+def evaluation_blocks(tokenizer, corpus: str, seq_len: int, max_tokens: int | None) -> torch.Tensor:
+    from .data.blocks import token_blocks
+    from .data.corpora import load_text
+
+    return token_blocks(tokenizer, load_text(corpus), seq_len=seq_len, max_tokens=max_tokens)
+
+
+def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True) -> dict:
+    """Perplexity on ``config.corpora`` plus accounting, as a results dict (design.md §5 fields)."""
+    timings: dict = {}
+    ppl, details = {}, {}
+    for corpus in config.corpora:
+        blocks = evaluation_blocks(tokenizer, corpus, config.seq_len, config.max_eval_tokens)
+        with timed(timings, f"eval_{corpus}"):
+            result = perplexity(model, blocks, batch_size=config.batch_size, progress=progress,
+                                description=f"ppl {corpus}")
+        ppl[corpus] = result.ppl
+        details[corpus] = {"tokens": result.tokens, "blocks": result.blocks}
+    accounting = account(model, context=config.context_for_macs)
+    return {
+        "model": getattr(model, "name_or_path", type(model).__name__),
+        "method": "original",
+        "ratio": None,
+        "ppl": ppl,
+        "params": accounting.params_dict(),
+        "macs_per_token": accounting.macs_per_token,
+        "attention_macs_per_token": accounting.attention_macs_per_token,
+        "kv_bytes_per_token": accounting.kv_bytes_per_token,
+        "settings": {"seq_len": config.seq_len, "max_eval_tokens": config.max_eval_tokens,
+                     "batch_size": config.batch_size, "dtype": accounting.dtype,
+                     "eval_tokens": details, "threads": torch.get_num_threads()},
+        "timings_s": timings,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
+             checkpoint_dir=None) -> tuple[nn.Module, dict]:
+    """Compress ``model`` in place on ``calibration`` token blocks [n, seq_len]; returns ``(model, report)``.
+
+    ``checkpoint_dir`` (optional) makes the run resumable: finished layers are written there and an
+    interrupted run picks up after the last finished layer.
+    """
+    from .pipelines.compress import compress_model
+
+    return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir)
+
+
+def write_json(data: dict, path) -> Path:
+    """Write a results dict atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default))
+    tmp.replace(path)
+    return path
+
+
+def _json_default(obj):
+    if isinstance(obj, (Path,)):
+        return str(obj)
+    if isinstance(obj, tuple):
+        return list(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

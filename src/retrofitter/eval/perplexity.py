@@ -1,0 +1,60 @@
+"""Perplexity over non-overlapping windows (design.md §5).
+
+For token blocks ``T [n_blocks, L]`` (each block already starts with BOS when the tokenizer has one),
+the model predicts tokens 1..L-1 of every block from their prefixes:
+
+    ppl = exp( Σ_blocks Σ_{t=1}^{L-1} −log p(T[b, t] | T[b, :t]) / (n_blocks · (L − 1)) )
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+__all__ = ["PerplexityResult", "perplexity", "block_nll"]
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    nll_sum: float
+    tokens: int
+    blocks: int
+    seq_len: int
+
+
+def block_nll(model: nn.Module, blocks: torch.Tensor) -> torch.Tensor:
+    """Summed next-token negative log-likelihood per block, float64 [n_blocks]."""
+    logits = model(input_ids=blocks, use_cache=False).logits  # [b, L, vocab]
+    logits = logits[:, :-1].double()
+    targets = blocks[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return nll.view(targets.shape).sum(dim=1)
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, progress: bool = True,
+               description: str = "perplexity") -> PerplexityResult:
+    """Perplexity of ``model`` on token ``blocks`` [n_blocks, seq_len] (see module docstring)."""
+    if blocks.ndim != 2 or blocks.shape[1] < 2:
+        raise ValueError(f"blocks must be [n_blocks, seq_len >= 2], got {tuple(blocks.shape)}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    starts = range(0, blocks.shape[0], batch_size)
+    for start in tqdm(starts, desc=description, disable=not progress, leave=False):
+        batch = blocks[start:start + batch_size].to(device)
+        nll = block_nll(model, batch)
+        if not torch.isfinite(nll).all():
+            raise FloatingPointError(f"non-finite loss in blocks {start}..{start + len(batch) - 1}")
+        total += float(nll.sum())
+    model.train(was_training)
+    tokens = blocks.shape[0] * (blocks.shape[1] - 1)
+    return PerplexityResult(ppl=math.exp(total / tokens), nll_sum=total, tokens=tokens,
+                            blocks=blocks.shape[0], seq_len=blocks.shape[1])

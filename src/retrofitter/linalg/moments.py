@@ -1,0 +1,206 @@
+"""Streaming first and second moments of layer inputs, in float64.
+
+For calibration inputs x_1..x_l in R^d (rows of any leading shape) with weights w_t (1 by default,
+0 for padding):
+
+    count          n  = Σ_t w_t
+    mean           μ  = Σ_t w_t x_t / n                      [d]
+    second moment  C  = Σ_t w_t x_t x_tᵀ / n = E[x xᵀ]        [d, d]   (uncentered)
+    covariance     C0 = C − μ μᵀ                              [d, d]   (centered)
+    damped         C + λ · mean(diag C) · I
+
+Only the running sums Σ w x and Σ w x xᵀ are kept, so activations are never stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "SecondMomentAccumulator",
+    "CrossMomentAccumulator",
+    "damped",
+    "check_finite_matrix",
+]
+
+
+def damped(matrix: torch.Tensor, damping: float) -> torch.Tensor:
+    """Return ``matrix + damping · mean(diag(matrix)) · I`` (a new tensor).
+
+    The damping is relative to the average diagonal so that one λ works for every layer whatever the
+    activation scale. If the diagonal averages to zero (all-zero inputs) the absolute ``damping · I``
+    is used instead so that the result is still positive definite.
+    """
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"damped() needs a square matrix, got shape {tuple(matrix.shape)}")
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
+    if damping == 0:
+        return matrix.clone()
+    scale = torch.diagonal(matrix).mean()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    eye = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+    return matrix + (damping * scale) * eye
+
+
+def check_finite_matrix(matrix: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``matrix`` holds NaN or Inf."""
+    if not bool(torch.isfinite(matrix).all()):
+        bad = int((~torch.isfinite(matrix)).sum())
+        raise ValueError(
+            f"{name}: {bad} non-finite value(s) (NaN/Inf) in a statistic of shape {tuple(matrix.shape)}; "
+            "the calibration activations overflowed or contain NaN"
+        )
+
+
+def _flatten_rows(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+    if x.shape[-1] != dim:
+        raise ValueError(f"{what}: last dimension must be {dim}, got shape {tuple(x.shape)}")
+    return x.reshape(-1, dim)
+
+
+def _row_weights(weights: torch.Tensor | None, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Flatten ``weights`` [...] to [rows]; ``None`` means every row has weight 1."""
+    if weights is None:
+        return None
+    if tuple(weights.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"weights shape {tuple(weights.shape)} must equal the input's leading shape {tuple(x.shape[:-1])}"
+        )
+    return weights.reshape(rows)
+
+
+class SecondMomentAccumulator:
+    """Running Σ w x and Σ w x xᵀ of inputs x [..., dim], kept in float64 on ``device``.
+
+    ``update(x, weights=None)`` adds a batch; rows whose weight is 0 (padding) are dropped before any
+    arithmetic so that NaN/garbage in padded positions cannot leak in. ``merge(other)`` adds another
+    accumulator's sums (e.g. from another process or shard).
+    """
+
+    def __init__(self, dim: int, device: torch.device | str | None = None):
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        self.dim = int(dim)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._weighted_sum = torch.zeros(dim, dtype=torch.float64, device=self.device)  # Σ w x      [d]
+        self._weighted_outer = torch.zeros(dim, dim, dtype=torch.float64, device=self.device)  # Σ w x xᵀ [d, d]
+        self._count = 0.0  # Σ w
+
+    def update(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add inputs ``x`` [..., dim]; optional ``weights`` [...] (0 = exclude the row)."""
+        rows = _flatten_rows(x, self.dim, "SecondMomentAccumulator.update")
+        row_weights = _row_weights(weights, x, rows.shape[0])
+        rows = rows.to(device=self.device, dtype=torch.float64)
+        if row_weights is not None:
+            row_weights = row_weights.to(device=self.device, dtype=torch.float64)
+            keep = row_weights != 0
+            rows, row_weights = rows[keep], row_weights[keep]
+        if rows.shape[0] == 0:
+            return
+        if row_weights is None:
+            self._weighted_sum += rows.sum(0)
+            self._weighted_outer.addmm_(rows.T, rows)
+            self._count += float(rows.shape[0])
+        else:
+            weighted_rows = rows * row_weights[:, None]
+            self._weighted_sum += weighted_rows.sum(0)
+            self._weighted_outer.addmm_(weighted_rows.T, rows)
+            self._count += float(row_weights.sum())
+
+    def merge(self, other: "SecondMomentAccumulator") -> "SecondMomentAccumulator":
+        """Add ``other``'s sums into this accumulator (in place) and return ``self``."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge accumulators of dim {self.dim} and {other.dim}")
+        self._weighted_sum += other._weighted_sum.to(self.device)
+        self._weighted_outer += other._weighted_outer.to(self.device)
+        self._count += other._count
+        return self
+
+    @property
+    def count(self) -> float:
+        """Total weight Σ w (the number of rows when unweighted)."""
+        return self._count
+
+    def _require_data(self) -> None:
+        if self._count <= 0:
+            raise ValueError("SecondMomentAccumulator is empty: call update() with at least one row first")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """μ = E[x] [dim], float64."""
+        self._require_data()
+        return self._weighted_sum / self._count
+
+    @property
+    def second_moment(self) -> torch.Tensor:
+        """C = E[x xᵀ] [dim, dim], float64, uncentered, exactly symmetric."""
+        self._require_data()
+        moment = self._weighted_outer / self._count
+        return (moment + moment.T) / 2  # addmm is symmetric only up to rounding
+
+    def covariance(self) -> torch.Tensor:
+        """C0 = E[x xᵀ] − μ μᵀ [dim, dim], float64 (centered)."""
+        mean = self.mean
+        return self.second_moment - torch.outer(mean, mean)
+
+    damped = staticmethod(damped)
+
+    def check_finite(self, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` (the layer/matrix) if the sums hold NaN/Inf."""
+        check_finite_matrix(self._weighted_sum, f"{name} (mean)")
+        check_finite_matrix(self._weighted_outer, f"{name} (second moment)")
+
+
+class CrossMomentAccumulator:
+    """Running Σ w a bᵀ for paired inputs a [..., dim_a], b [..., dim_b]; ``cross_moment`` = E[a bᵀ].
+
+    Used by the streaming joint-MLP fit (E[h ĥᵀ] between original and compressed intermediates).
+    """
+
+    def __init__(self, dim_a: int, dim_b: int, device: torch.device | str | None = None):
+        if dim_a < 1 or dim_b < 1:
+            raise ValueError(f"dims must be >= 1, got {dim_a}, {dim_b}")
+        self.dim_a, self.dim_b = int(dim_a), int(dim_b)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._weighted_outer = torch.zeros(dim_a, dim_b, dtype=torch.float64, device=self.device)
+        self._count = 0.0
+
+    def update(self, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add pairs a [..., dim_a], b [..., dim_b] (same leading shape); ``weights`` [...] as above."""
+        if tuple(a.shape[:-1]) != tuple(b.shape[:-1]):
+            raise ValueError(f"paired inputs need the same leading shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+        rows_a = _flatten_rows(a, self.dim_a, "CrossMomentAccumulator.update (a)")
+        rows_b = _flatten_rows(b, self.dim_b, "CrossMomentAccumulator.update (b)")
+        row_weights = _row_weights(weights, a, rows_a.shape[0])
+        rows_a = rows_a.to(device=self.device, dtype=torch.float64)
+        rows_b = rows_b.to(device=self.device, dtype=torch.float64)
+        if row_weights is not None:
+            row_weights = row_weights.to(device=self.device, dtype=torch.float64)
+            keep = row_weights != 0
+            rows_a, rows_b, row_weights = rows_a[keep] * row_weights[keep, None], rows_b[keep], row_weights[keep]
+            self._count += float(row_weights.sum())
+        else:
+            self._count += float(rows_a.shape[0])
+        self._weighted_outer.addmm_(rows_a.T, rows_b)
+
+    def merge(self, other: "CrossMomentAccumulator") -> "CrossMomentAccumulator":
+        if (other.dim_a, other.dim_b) != (self.dim_a, self.dim_b):
+            raise ValueError("cannot merge cross-moment accumulators of different shapes")
+        self._weighted_outer += other._weighted_outer.to(self.device)
+        self._count += other._count
+        return self
+
+    @property
+    def count(self) -> float:
+        return self._count
+
+    @property
+    def cross_moment(self) -> torch.Tensor:
+        """E[a bᵀ] [dim_a, dim_b], float64."""
+        if self._count <= 0:
+            raise ValueError("CrossMomentAccumulator is empty: call update() first")
+        return self._weighted_outer / self._count
+
+    def check_finite(self, name: str) -> None:
+        check_finite_matrix(self._weighted_outer, f"{name} (cross moment)")

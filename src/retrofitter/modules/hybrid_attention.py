@@ -1,0 +1,176 @@
+"""LoLCATs hybrid attention as an nn.Module: window softmax + linear attention over older keys.
+
+Per query head ``h`` (kv head ``h // (n_heads / n_kv_heads)``), query ``n``, window ``W_n``:
+
+    y_n = (sum_{i in W_n} gamma e^{q_n.k_i/sqrt(d) - c_n} v_i + lam phi_q(q_n)^T S_n)
+          / (sum_{i in W_n} gamma e^{q_n.k_i/sqrt(d) - c_n}     + lam phi_q(q_n)^T z_n)
+
+    S_n = sum_{i <= n, i not in W_n} phi_k(k_i) v_i^T,  z_n = sum_{...} phi_k(k_i),
+    c_n = max_{i in W_n} q_n.k_i/sqrt(d),  gamma = sigmoid(theta_h),  lam = 1 or 1 - gamma.
+
+``window_kind``: ``sliding`` (``W_n = {n-w+1..n}``) or ``terraced`` (tile ``t = window``: the
+query's tile up to ``n`` plus the previous tile); positions count real tokens only (see
+``retrofitter.ops.hybrid_common``). The module works on q, k, v *after* projection and RoPE;
+the caller applies ``o_proj``. Shapes: q ``[b, h, n, dh]``, k/v ``[b, g, n, dh]``, y ``[b, h, n, dh]``.
+Trainable: ``feature_map_q``, ``feature_map_k`` and ``mix_logit`` (theta, ``[h]``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.hybrid_chunked import hybrid_attention_chunked
+from ..ops.hybrid_common import get_linear_weight, get_window_kind
+from ..ops.hybrid_naive import hybrid_attention_naive
+from ..ops.hybrid_recurrent import HybridRecurrentState, hybrid_recurrent_step
+from .feature_maps import build_feature_map
+
+__all__ = ["HybridLinearAttention", "EXECUTIONS"]
+
+# Full-sequence executions; both return (y, state | None) and compute the same function.
+EXECUTIONS = {
+    "chunked": hybrid_attention_chunked,
+    "naive": hybrid_attention_naive,
+}
+
+
+class HybridLinearAttention(nn.Module):
+    """Hybrid softmax-window + linear attention core (no projections).
+
+    Args:
+        n_heads, n_kv_heads, head_dim: attention geometry (GQA when n_kv_heads < n_heads).
+        window: sliding width or terraced tile size.
+        window_kind: ``"sliding"`` or ``"terraced"``.
+        feature_map: name in ``feature_maps.FEATURE_MAPS`` (``hedgehog``, ``t2r``, ``elu``).
+        feature_dim: projection width of the feature map (hedgehog gives 2x features).
+        mix_init: initial theta; gamma = sigmoid(-2.2) ~ 0.1.
+        linear_weight: ``"one"`` or ``"one_minus_gamma"`` (weight of the linear terms).
+        execution: ``"chunked"`` (O(n) memory, default) or ``"naive"`` (quadratic reference).
+        softmax_scale: defaults to 1/sqrt(head_dim).
+    """
+
+    def __init__(
+        self,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        window: int = 64,
+        window_kind: str = "sliding",
+        feature_map: str = "hedgehog",
+        feature_dim: int = 64,
+        mix_init: float = -2.2,
+        linear_weight: str = "one",
+        execution: str = "chunked",
+        softmax_scale: float | None = None,
+    ):
+        super().__init__()
+        if n_kv_heads < 1 or n_heads % n_kv_heads != 0:
+            raise ValueError(f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({n_kv_heads})")
+        if window < 1:
+            raise ValueError(f"window must be >= 1; got {window}")
+        get_window_kind(window_kind)  # fail early with the list of options
+        get_linear_weight(linear_weight)
+        if execution not in EXECUTIONS:
+            raise ValueError(f"unknown execution {execution!r}; choose one of {sorted(EXECUTIONS)}")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.window = window
+        self.window_kind = window_kind
+        self.linear_weight = linear_weight
+        self.execution = execution
+        self.softmax_scale = softmax_scale
+        self.feature_map_q = build_feature_map(feature_map, n_heads, head_dim, feature_dim)
+        self.feature_map_k = build_feature_map(feature_map, n_heads, head_dim, feature_dim)
+        self.mix_logit = nn.Parameter(torch.full((n_heads,), float(mix_init)))  # theta
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        """Softmax-term weight per head, ``[h]``, computed in float32 (or float64) for stability."""
+        theta = self.mix_logit
+        return torch.sigmoid(theta.to(torch.promote_types(theta.dtype, torch.float32)))
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """What attention transfer trains: both feature maps and theta."""
+        return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.mix_logit]
+
+    def init_state(self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None) -> HybridRecurrentState:
+        """Empty decode state (for generating from scratch)."""
+        return HybridRecurrentState.init(
+            batch_size,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.feature_map_q.output_dim,
+            window=self.window,
+            window_kind=self.window_kind,
+            dtype=dtype,
+            device=device,
+        )
+
+    def _op_kwargs(self) -> dict:
+        return dict(
+            feature_map_q=self.feature_map_q,
+            feature_map_k=self.feature_map_k,
+            gamma=self.gamma,
+            linear_weight=self.linear_weight,
+            softmax_scale=self.softmax_scale,
+        )
+
+    def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        expected_q = (self.n_heads, self.head_dim)
+        expected_kv = (self.n_kv_heads, self.head_dim)
+        if q.dim() != 4 or (q.shape[1], q.shape[3]) != expected_q:
+            raise ValueError(f"q must be [b, {self.n_heads}, n, {self.head_dim}]; got {tuple(q.shape)}")
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 4 or (t.shape[1], t.shape[3]) != expected_kv or t.shape[2] != q.shape[2]:
+                raise ValueError(f"{name} must be [b, {self.n_kv_heads}, n={q.shape[2]}, {self.head_dim}]; got {tuple(t.shape)}")
+
+    def step(
+        self, state: HybridRecurrentState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, valid_t: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, HybridRecurrentState]:
+        """One token: q_t ``[b, h, 1, dh]``, k_t/v_t ``[b, g, 1, dh]``, valid_t ``[b]`` -> (y_t, state)."""
+        return hybrid_recurrent_step(state, q_t, k_t, v_t, valid_t, **self._op_kwargs())
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        state: HybridRecurrentState | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, HybridRecurrentState | None]:
+        """Attention output ``[b, h, n, dh]`` (q's dtype) and the new state.
+
+        Without ``state``: the whole sequence with ``self.execution``; the state after it is
+        returned when ``return_state`` (prefill), else None. With ``state``: continue decoding
+        token by token (``key_padding_mask [b, n]`` marks which new tokens are real); the new
+        state is always returned.
+        """
+        self._check_shapes(q, k, v)
+        if state is None:
+            run = EXECUTIONS[self.execution]
+            return run(
+                q, k, v, window=self.window, window_kind=self.window_kind, key_padding_mask=key_padding_mask,
+                return_state=return_state, **self._op_kwargs(),
+            )
+        if state.window_kind != self.window_kind or state.window != self.window:
+            raise ValueError(
+                f"state was built for {state.window_kind} window {state.window}, layer uses {self.window_kind} window {self.window}"
+            )
+        outputs = []
+        # Continuation is a loop of single steps: decoding adds one token at a time, and the
+        # step is the path that is exactly the naive math on the buffered window.
+        for t in range(q.shape[2]):
+            valid_t = key_padding_mask[:, t] if key_padding_mask is not None else None
+            y_t, state = self.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], valid_t)
+            outputs.append(y_t)
+        return torch.cat(outputs, dim=2), state
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
+            f"window_kind={self.window_kind!r}, linear_weight={self.linear_weight!r}, execution={self.execution!r}"
+        )

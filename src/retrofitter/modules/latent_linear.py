@@ -1,0 +1,173 @@
+"""LatentLinear: a rank-r replacement for nn.Linear, stored in junction (block-identity) form.
+
+Junction form (r(d + d') − r² weights), x [..., d] → y [..., d']:
+
+    z = x[..., piv] + x[..., rest] @ mixᵀ        z [..., r],  mix [r, d − r]
+    y = z @ upᵀ + b                               up [d', r],  b [d']
+
+Plain form (r(d + d') weights): z = x @ downᵀ, y = z @ upᵀ + b, down [r, d].
+
+state_dict keys are fixed: ``up``, ``mix``, ``pivot_index``, ``rest_index`` (junction) or ``up``,
+``down`` (plain), plus ``bias`` when present. ``LatentLinear(in, out, rank, junction, bias)`` builds an
+empty module of the right shapes so a loader can rebuild it and call ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..linalg.junction import assemble_down, junction_factor
+from ..linalg.svd import bias_compensation, check_rank, weighted_low_rank
+
+__all__ = ["LatentLinear"]
+
+
+class LatentLinear(nn.Module):
+    """Low-rank linear layer y = up · (down x) + b, with down = [I | mix] permuted in junction form."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        junction: bool = True,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        check_rank(rank, out_features, in_features)
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.rank = int(rank)
+        self.junction = bool(junction)
+        factory = {"dtype": dtype, "device": device}
+        # Zeros, not random: an empty module is meant to be filled by from_* or load_state_dict.
+        if self.junction:
+            self.register_buffer("pivot_index", torch.arange(rank, dtype=torch.long, device=device))
+            self.register_buffer(
+                "rest_index", torch.arange(rank, in_features, dtype=torch.long, device=device)
+            )
+            self.mix = nn.Parameter(torch.zeros(rank, in_features - rank, **factory))
+        else:
+            self.down = nn.Parameter(torch.zeros(rank, in_features, **factory))
+        self.up = nn.Parameter(torch.zeros(out_features, rank, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_factors(
+        cls,
+        B: torch.Tensor,
+        A: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        junction: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        max_condition: float | None = 1e8,
+    ) -> "LatentLinear":
+        """Module computing x ↦ B (A x) + bias for B [d', r], A [r, d].
+
+        The junction transform is done in float64 before casting to ``dtype`` (default: B's dtype).
+        """
+        if B.ndim != 2 or A.ndim != 2 or B.shape[1] != A.shape[0]:
+            raise ValueError(f"B [d', r] and A [r, d] must share r, got {tuple(B.shape)} and {tuple(A.shape)}")
+        out_features, rank = B.shape
+        in_features = A.shape[1]
+        dtype = dtype if dtype is not None else B.dtype
+        device = device if device is not None else B.device
+        module = cls(in_features, out_features, rank, junction=junction, bias=bias is not None, dtype=dtype, device=device)
+        with torch.no_grad():
+            if junction:
+                factors = junction_factor(B, A, max_condition=max_condition)
+                module.up.copy_(factors.up)
+                module.mix.copy_(factors.mix)
+                module.pivot_index.copy_(factors.pivot_index)
+                module.rest_index.copy_(factors.rest_index)
+            else:
+                module.up.copy_(B)
+                module.down.copy_(A)
+            if bias is not None:
+                if tuple(bias.shape) != (out_features,):
+                    raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+                module.bias.copy_(bias)
+        return module
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        second_moment: torch.Tensor | None,
+        rank: int,
+        preconditioner: str = "rootcov",
+        junction: bool = True,
+        mean: torch.Tensor | None = None,
+        damping: float = 1e-2,
+        max_condition: float | None = 1e8,
+        name: str = "linear",
+    ) -> "LatentLinear":
+        """Compress ``linear`` (W [d', d], b) with the activation-aware SVD of rank ``rank``.
+
+        ``second_moment`` is the uncentered C = E[x xᵀ] [d, d]. If ``mean`` μ [d] is given, the factors
+        are fitted on the centered C0 = C − μ μᵀ and the bias becomes b̂ = b + (W − BA) μ (a bias is
+        added even when ``linear`` had none). Result has ``linear``'s dtype and device. ``name`` (the
+        layer's path) labels errors about NaN/Inf statistics.
+        """
+        weight = linear.weight.detach()
+        moment = second_moment
+        if mean is not None and second_moment is not None:
+            mu = mean.detach().to(device=second_moment.device, dtype=torch.float64)
+            moment = second_moment.to(torch.float64) - torch.outer(mu, mu)
+        B, A = weighted_low_rank(weight, moment, rank, preconditioner=preconditioner, damping=damping, name=name)
+        original_bias = linear.bias.detach() if linear.bias is not None else None
+        if mean is not None:
+            new_bias = bias_compensation(weight, B, A, original_bias, mean)
+        else:
+            new_bias = original_bias
+        return cls.from_factors(
+            B,
+            A,
+            bias=new_bias,
+            junction=junction,
+            dtype=weight.dtype,
+            device=weight.device,
+            max_condition=max_condition,
+        )
+
+    # ------------------------------------------------------------------ execution
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """z = down x  [..., r] (the compressed representation of x [..., d])."""
+        if self.junction:
+            pivot_part = x.index_select(-1, self.pivot_index)  # [..., r]
+            rest_part = x.index_select(-1, self.rest_index)  # [..., d − r]
+            return pivot_part + F.linear(rest_part, self.mix)
+        return F.linear(x, self.down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.latent(x), self.up, self.bias)
+
+    def down_weight(self) -> torch.Tensor:
+        """The input factor [r, d] (the explicit [I | mix] permuted in junction form)."""
+        if self.junction:
+            return assemble_down(self.mix, self.pivot_index, self.rest_index)
+        return self.down
+
+    def dense_weight(self) -> torch.Tensor:
+        """Equivalent dense W = up · down  [d', d] in the parameters' dtype."""
+        return self.up @ self.down_weight()
+
+    def num_weight_params(self) -> int:
+        """Stored weights (bias excluded): r(d + d') − r² (junction) or r(d + d') (plain)."""
+        size = self.rank * (self.in_features + self.out_features)
+        return size - self.rank * self.rank if self.junction else size
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"junction={self.junction}, bias={self.bias is not None}"
+        )

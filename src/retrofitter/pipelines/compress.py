@@ -1,0 +1,245 @@
+"""Sequential layer-wise compression (design.md §3, "Sequential pipeline").
+
+For every decoder layer l, in order:
+ 1. run layer l (still original) over the calibration stream with hooks, accumulating the second
+    moment C = E[x xᵀ] (float64) of the input of every projection group (q/k/v share one input);
+ 2. replace each target projection by a ``LatentLinear`` fitted with the activation-aware SVD of
+    the configured preconditioner at its planned rank (bias-compensated when the layer has a bias);
+ 3. advance the stream through the compressed layer (``statistics="compressed"``) — or through the
+    original layer (``"teacher"``: statistics of the uncompressed model);
+ 4. checkpoint the layer and the stream when a checkpoint directory is given (resumable).
+
+Peak memory ≈ model + one layer's statistics + the calibration activations at one layer boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..adapters import adapter_for
+from ..config import CompressConfig
+from ..eval.resources import peak_rss_mb
+from ..linalg.ranks import rank_for_keep_fraction
+from ..linalg.svd import proxy_error
+from ..modules.latent_linear import LatentLinear
+from .calibration import LayerStream, capture_stream, collect_input_moments
+
+__all__ = ["compress_model", "plan_ranks", "CalibrationError"]
+
+log = logging.getLogger(__name__)
+
+
+class CalibrationError(ValueError):
+    """Calibration data cannot support the requested compression."""
+
+
+def plan_ranks(model: nn.Module, config: CompressConfig) -> dict[tuple[int, str], int]:
+    """Uniform allocation: every target matrix keeps (1 − ratio) of its parameters.
+
+    Returns (layer index, projection name) -> rank: the largest rank whose stored factors
+    (r(d+d') − r² with a junction, r(d+d') without) fit in (1 − ratio)·d·d'.
+    """
+    adapter = adapter_for(model)
+    plan = {}
+    for index, layer in enumerate(adapter.decoder_layers(model)):
+        for name in _targets(adapter, config):
+            linear = adapter.get_linear(layer, name)
+            try:
+                plan[(index, name)] = rank_for_keep_fraction(linear.in_features, linear.out_features,
+                                                             1.0 - config.ratio, junction=config.junction)
+            except ValueError as error:
+                raise ValueError(f"layer {index} {name} ({linear.out_features}x{linear.in_features}): {error}") from None
+    return plan
+
+
+def _targets(adapter, config: CompressConfig) -> list[str]:
+    names = list(adapter.linear_names)
+    if not config.targets:
+        return names
+    unknown = [t for t in config.targets if t not in names]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown} for {adapter.family} models; their projections are {names}")
+    return [n for n in names if n in config.targets]
+
+
+def _check_weights_finite(model: nn.Module, adapter, targets: list[str]) -> None:
+    for index, layer in enumerate(adapter.decoder_layers(model)):
+        for name in targets:
+            weight = adapter.get_linear(layer, name).weight
+            if not torch.isfinite(weight).all():
+                raise ValueError(f"non-finite values (NaN/Inf) in the weights of layer {index} projection {name!r} "
+                                 f"({adapter.linear_path_in_model(index, name)})")
+
+
+def _fingerprint(model: nn.Module, config: CompressConfig, calibration: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config.to_dict(), sort_keys=True).encode())
+    digest.update(calibration.cpu().numpy().tobytes())
+    digest.update(str(getattr(model, "name_or_path", "")).encode())
+    digest.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
+                   checkpoint_dir=None) -> tuple[nn.Module, dict]:
+    """Compress ``model`` in place; returns ``(model, report)`` (see module docstring)."""
+    if config.method == "latentllm":
+        from .latentllm import compress_latentllm
+
+        return compress_latentllm(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir)
+    start = time.perf_counter()
+    adapter = adapter_for(model)
+    layers = adapter.decoder_layers(model)
+    targets = _targets(adapter, config)
+    _check_weights_finite(model, adapter, targets)
+    plan = plan_ranks(model, config)
+    if calibration.ndim != 2:
+        raise CalibrationError(f"calibration must be token blocks [n_blocks, seq_len], got shape {tuple(calibration.shape)}")
+    widest = max(adapter.get_linear(layers[0], n).in_features for n in targets)
+    if calibration.numel() < widest:
+        raise CalibrationError(f"calibration has {calibration.numel()} tokens, fewer than the widest projection input "
+                               f"({widest}); its statistics would be singular — give at least {widest} tokens "
+                               f"(thousands more is better)")
+    model.eval()
+    timings = {"statistics": 0.0, "factorization": 0.0, "propagation": 0.0, "capture": 0.0}
+    checkpoint = _Checkpoint(checkpoint_dir, _fingerprint(model, config, calibration)) if checkpoint_dir else None
+
+    t0 = time.perf_counter()
+    stream = capture_stream(model, adapter, calibration, config.batch_size)
+    timings["capture"] += time.perf_counter() - t0
+    first_layer = 0
+    layer_reports: list[dict] = []
+    if checkpoint is not None:
+        first_layer, layer_reports = checkpoint.restore(model, adapter, stream, plan, config)
+        if first_layer:
+            log.info("resuming compression after layer %d from %s", first_layer - 1, checkpoint.path)
+
+    bar = tqdm(range(first_layer, len(layers)), desc=f"compress {config.method} {config.ratio:g}",
+               disable=not progress, initial=first_layer, total=len(layers))
+    for index in bar:
+        layer = layers[index]
+        layer_start = time.perf_counter()
+        leaders = {group[0]: adapter.get_linear(layer, group[0]) for group in adapter.linear_groups
+                   if any(name in targets for name in group)}
+        leader_of = {name: group[0] for group in adapter.linear_groups for name in group}
+        t0 = time.perf_counter()
+        teacher_mode = config.statistics == "teacher"
+        moments = collect_input_moments(layer, stream, leaders)
+        if teacher_mode:  # the stream stays the original model's: advance it through the original layer
+            next_stream = stream.advance(layer)
+        timings["statistics"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        entries = {}
+        for name in targets:
+            linear = adapter.get_linear(layer, name)
+            accumulator = moments[leader_of[name]]
+            accumulator.check_finite(f"layer {index} input of {name!r} ({adapter.linear_path_in_model(index, name)})")
+            rank = plan[(index, name)]
+            has_bias = linear.bias is not None
+            replacement = LatentLinear.from_linear(
+                linear, accumulator.second_moment, rank, preconditioner=config.preconditioner,
+                junction=config.junction, mean=accumulator.mean if has_bias else None, damping=config.damping)
+            error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(),
+                                accumulator.covariance() if has_bias else accumulator.second_moment)
+            entries[name] = {"rank": rank, "in": linear.in_features, "out": linear.out_features,
+                             "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
+                             "proxy_error": error}
+            adapter.set_linear(layer, name, replacement)
+        timings["factorization"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        stream = next_stream if teacher_mode else stream.advance(layer)
+        timings["propagation"] += time.perf_counter() - t0
+        layer_reports.append({"layer": index, "seconds": time.perf_counter() - layer_start, "matrices": entries})
+        mean_error = sum(e["proxy_error"] for e in entries.values()) / max(1, len(entries))
+        log.info("layer %d: mean proxy error %.4f, %.1fs", index, mean_error, time.perf_counter() - layer_start)
+        bar.set_postfix(proxy=f"{mean_error:.3f}")
+        if checkpoint is not None:
+            checkpoint.save_layer(index, layer, stream, layer_reports)
+    bar.close()
+    timings["total"] = time.perf_counter() - start
+    report = _summary(model, adapter, config, plan, layer_reports, timings)
+    if checkpoint is not None:
+        checkpoint.finish()
+    return model, report
+
+
+def _summary(model, adapter, config, plan, layer_reports, timings) -> dict:
+    before = sum(e["params_before"] for r in layer_reports for e in r["matrices"].values())
+    after = sum(e["params_after"] for r in layer_reports for e in r["matrices"].values())
+    return {
+        "method": config.method,
+        "ratio": config.ratio,
+        "config": config.to_dict(),
+        "targets_params_before": before,
+        "targets_params_after": after,
+        "targets_reduction": 1.0 - after / before if before else 0.0,
+        "layers": layer_reports,
+        "timings_s": timings,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+class _Checkpoint:
+    """Per-layer resumability: finished layers' weights, the stream at the last boundary, progress."""
+
+    def __init__(self, path, fingerprint: str):
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _progress_file(self) -> Path:
+        return self.path / "progress.json"
+
+    def restore(self, model, adapter, stream: LayerStream, plan, config) -> tuple[int, list]:
+        if not self._progress_file().exists():
+            return 0, []
+        progress = json.loads(self._progress_file().read_text())
+        if progress.get("fingerprint") != self.fingerprint:
+            log.warning("checkpoint %s belongs to a different run (settings or calibration changed); starting over",
+                        self.path)
+            return 0, []
+        done = progress["layers_done"]
+        layers = adapter.decoder_layers(model)
+        for index in range(done):
+            layer = layers[index]
+            for entry in progress["reports"][index]["matrices"].items():
+                name, info = entry
+                linear = adapter.get_linear(layer, name)
+                adapter.set_linear(layer, name, LatentLinear(info["in"], info["out"], info["rank"], junction=config.junction,
+                                                             bias=linear.bias is not None, dtype=linear.weight.dtype,
+                                                             device=linear.weight.device))
+            layer.load_state_dict(load_file(self.path / f"layer_{index}.safetensors"))
+        saved = load_file(self.path / "stream.safetensors")
+        stream.hidden = [saved[f"batch_{i}"].to(stream.hidden[i]) for i in range(len(stream.hidden))]
+        return done, progress["reports"]
+
+    def save_layer(self, index: int, layer: nn.Module, stream: LayerStream, reports: list) -> None:
+        state = {k: v.contiguous() for k, v in layer.state_dict().items()}
+        _atomic_save(state, self.path / f"layer_{index}.safetensors")
+        _atomic_save({f"batch_{i}": h.contiguous() for i, h in enumerate(stream.hidden)}, self.path / "stream.safetensors")
+        tmp = self._progress_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "layers_done": index + 1, "reports": reports}))
+        tmp.replace(self._progress_file())
+
+    def finish(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _atomic_save(tensors: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)

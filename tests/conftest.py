@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random HF models of every supported family, built from configs (no download)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tiny_models import FAMILIES, TINY_VOCAB, build_tiny
+
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_model(request):
+    return build_tiny(request.param)
+
+@pytest.fixture
+def tiny_llama():
+    return build_tiny("llama")
+
+@pytest.fixture
+def tiny_opt():
+    return build_tiny("opt")
+
+@pytest.fixture
+def random_ids():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(3, TINY_VOCAB, (2, 24), generator=generator)
+
+@pytest.fixture(autouse=True)
+def _isolated_threads():
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield

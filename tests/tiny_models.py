@@ -1,0 +1,46 @@
+"""Tiny random HF models of every supported family, built from configs (no download)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY_VOCAB = 96
+
+
+def _common(**kw):
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    base.update(kw)
+    return base
+
+
+def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
+    """A tiny random causal LM of ``family`` (llama, mistral, qwen2, qwen3, opt), eval mode."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        config = transformers.LlamaConfig(**_common(rope_theta=10000.0))
+    elif family == "mistral":
+        config = transformers.MistralConfig(**_common(sliding_window=None))
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**_common())
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**_common(head_dim=8))
+    elif family == "opt":
+        config = transformers.OPTConfig(vocab_size=TINY_VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0, enable_bias=True,
+                                        do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0)
+    else:
+        raise ValueError(family)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Random init in HF is small; make the biases nonzero so bias handling is exercised.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and param.ndim == 1:
+                param.normal_(0, 0.02)
+    return model.eval()
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt"]
