@@ -44,3 +44,35 @@ def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt"]
+
+
+def build_tiny_tokenizer():
+    """A character-level fast tokenizer (vocab < TINY_VOCAB) with BOS/EOS/PAD, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = " abcdefghijklmnopqrstuvwxyz.,'\n" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789;:!?-()"
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    assert len(vocab) <= TINY_VOCAB
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def save_tiny_model_dir(path, family: str = "llama"):
+    """A tiny model + tokenizer saved as an HF directory (safetensors), as a user would have locally."""
+    model = build_tiny(family)
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+SAMPLE_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be on his "
+    "first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, "
+    "that he is considered the rightful property of some one or other of their daughters.\n"
+) * 12

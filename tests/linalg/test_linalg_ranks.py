@@ -13,7 +13,8 @@ from retrofitter.linalg.ranks import (
 
 
 def _brute_force(d_in, d_out, keep, junction):
-    fitting = [r for r in range(1, min(d_in, d_out) + 1) if factor_param_count(d_in, d_out, r, junction) <= keep * d_in * d_out]
+    budget = keep * d_in * d_out
+    fitting = [r for r in range(1, min(d_in, d_out) + 1) if factor_param_count(d_in, d_out, r, junction) <= budget]
     return max(fitting) if fitting else None
 
 

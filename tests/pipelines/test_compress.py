@@ -124,3 +124,15 @@ def test_resume_after_interruption_gives_the_same_model(tmp_path, monkeypatch):
     assert len(report["layers"]) == 2
     torch.testing.assert_close(_logits(resumed, ids), _logits(full, ids), rtol=1e-5, atol=1e-5)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_shared_teacher_moments_equal_the_teacher_pipeline():
+    from retrofitter.pipelines.compress import collect_teacher_moments, compress_with_moments
+
+    ids = calibration()
+    config = CompressConfig(ratio=0.3, statistics="teacher", method="asvd-rootcov")
+    direct, _ = compress_model(build_tiny("opt"), config, ids, progress=False)
+    moments = collect_teacher_moments(build_tiny("opt"), ids, batch_size=config.batch_size, progress=False)
+    shared, report = compress_with_moments(build_tiny("opt"), config, moments)
+    torch.testing.assert_close(_logits(shared, ids), _logits(direct, ids), rtol=1e-5, atol=1e-5)
+    assert report["targets_reduction"] >= 0.3

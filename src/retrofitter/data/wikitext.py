@@ -6,7 +6,7 @@ Passes, in order (each one is a pure function of the text):
 
 1. comments ``<!-- -->`` and content-bearing tags (``<ref>``, ``<math>``, ``<gallery>``...)
 2. templates ``{{...}}`` (nested, by bracket matching) and tables ``{| ... |}``
-3. links: ``[[File:..]]``/``[[Image:..]]``/``[[Category:..]]`` (and interlanguage links) dropped
+3. links (bracket counting): ``[[File:..]]``/``[[Image:..]]``/``[[Category:..]]`` (and interlanguage links) dropped
    with any links nested in their captions; ``[[a|b]]`` → ``b``; ``[[a]]`` → ``a``
 4. external links ``[http://x label]`` → ``label``; remaining html tags; ``'''`` / ``''`` marks;
    html entities
@@ -20,7 +20,7 @@ from __future__ import annotations
 import html
 import re
 
-__all__ = ["clean_wikitext", "remove_nested", "replace_links", "BACK_MATTER_SECTIONS"]
+__all__ = ["clean_wikitext", "remove_nested", "remove_hidden_links", "replace_links", "BACK_MATTER_SECTIONS"]
 
 # Tags whose content is not prose: dropped together with the content.
 _DROPPED_ELEMENTS = ("ref", "math", "gallery", "timeline", "score", "syntaxhighlight", "source", "pre",
@@ -32,6 +32,8 @@ _ELEMENT_PATTERNS = [re.compile(rf"<{name}\b[^<>]*>.*?</{name}\s*>", re.IGNORECA
 _HTML_TAG = re.compile(r"</?[a-zA-Z][a-zA-Z0-9]*\b[^<>]*>")
 _TEMPLATE_TOKENS = re.compile(r"\{\{|\}\}")
 _TABLE_TOKENS = re.compile(r"^[ \t]*\{\||^[ \t]*\|\}", re.MULTILINE)
+_LINK_TOKENS = re.compile(r"\[\[|\]\]")
+_HIDDEN_LINK_START = re.compile(r"\s*(?:file|image|category|media)\s*:", re.IGNORECASE)
 _INNERMOST_LINK = re.compile(r"\[\[([^\[\]]*)\]\]")
 _EXTERNAL_LINK = re.compile(r"\[(?:(?:https?|ftp):)?//[^\s\[\]]+(?:\s+([^\[\]]*))?\]")
 _BARE_URL = re.compile(r"\bhttps?://\S+")
@@ -50,13 +52,15 @@ BACK_MATTER_SECTIONS = frozenset({"references", "notes", "footnotes", "citations
 DEFAULT_MIN_WORDS = 4
 
 
-def remove_nested(text: str, tokens: re.Pattern, opener_first_char: str) -> str:
-    """Delete every span between matched opening and closing tokens, nesting included.
+def remove_nested(text: str, tokens: re.Pattern, opener_first_char: str, replacement: str = " ") -> str:
+    """Replace every span between matched opening and closing tokens (nesting included) by ``replacement``.
 
     ``tokens`` matches both the opener and the closer; a match whose text (after leading
     whitespace) starts with ``opener_first_char`` opens a span. Spans are matched with a stack;
     the union of all matched spans is removed, so an unclosed outer opener keeps its text
     but its properly closed inner spans are still removed. Unmatched closers are kept.
+    The default replacement is a space so that words on both sides do not fuse
+    ("computers{{snd}}following"); spaces are collapsed later.
     """
     stack: list[int] = []
     spans: list[tuple[int, int]] = []
@@ -71,8 +75,36 @@ def remove_nested(text: str, tokens: re.Pattern, opener_first_char: str) -> str:
     for start, end in sorted(spans):
         if end <= cursor:  # nested inside a span already removed
             continue
-        pieces.append(text[cursor:max(start, cursor)])
+        pieces.append(text[cursor:start])
+        pieces.append(replacement)
         cursor = end
+    pieces.append(text[cursor:])
+    return "".join(pieces)
+
+
+def remove_hidden_links(text: str) -> str:
+    """Delete ``[[File:..]]``, ``[[Image:..]]``, ``[[Category:..]]``, ``[[Media:..]]`` with their captions.
+
+    Bracket counting over ``[[``/``]]`` tokens, so captions may hold nested links and stray
+    single brackets ("... in 1927 [above] ...").
+    """
+    spans: list[tuple[int, int]] = []
+    start, depth = None, 0
+    for match in _LINK_TOKENS.finditer(text):
+        if match.group() == "[[":
+            if start is not None:
+                depth += 1
+            elif _HIDDEN_LINK_START.match(text, match.end()):
+                start, depth = match.start(), 1
+        elif start is not None:
+            depth -= 1
+            if depth == 0:
+                spans.append((start, match.end()))
+                start = None
+    pieces, cursor = [], 0
+    for span_start, span_end in spans:
+        pieces.append(text[cursor:span_start])
+        cursor = span_end
     pieces.append(text[cursor:])
     return "".join(pieces)
 
@@ -107,6 +139,7 @@ def _remove_markup(text: str) -> str:
         text = pattern.sub("", text)
     text = remove_nested(text, _TEMPLATE_TOKENS, "{")
     text = remove_nested(text, _TABLE_TOKENS, "{")
+    text = remove_hidden_links(text)
     text = replace_links(text)
     text = _EXTERNAL_LINK.sub(lambda match: match.group(1) or "", text)
     text = _BARE_URL.sub("", text)

@@ -55,6 +55,8 @@ def _matmul_macs(module: nn.Module) -> int:
     """MACs per token of a projection: its weight count (a Linear) or its own declared figure."""
     if hasattr(module, "macs_per_token"):
         return int(module.macs_per_token())
+    if hasattr(module, "num_weight_params"):  # factored layers: each stored weight is used once per token
+        return int(module.num_weight_params())
     if isinstance(module, nn.Linear):
         return module.in_features * module.out_features
     raise TypeError(f"cannot count MACs of {type(module).__name__}")

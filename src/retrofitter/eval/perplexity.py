@@ -31,10 +31,12 @@ class PerplexityResult:
 def block_nll(model: nn.Module, blocks: torch.Tensor) -> torch.Tensor:
     """Summed next-token negative log-likelihood per block, float64 [n_blocks]."""
     logits = model(input_ids=blocks, use_cache=False).logits  # [b, L, vocab]
-    logits = logits[:, :-1].double()
+    # Per-token losses in float32 (bf16 logits upcast); sums in float64. A float64 copy of the
+    # [b, L, vocab] logits would cost more time and memory than the model itself on small models.
+    logits = logits[:, :-1].float()
     targets = blocks[:, 1:]
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-    return nll.view(targets.shape).sum(dim=1)
+    return nll.view(targets.shape).double().sum(dim=1)
 
 
 @torch.no_grad()

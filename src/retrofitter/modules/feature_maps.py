@@ -46,7 +46,8 @@ class FeatureMap(nn.Module):
 
     def _check(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.n_heads or x.shape[3] != self.head_dim:
-            raise ValueError(f"{type(self).__name__} expects [b, h={self.n_heads}, n, dh={self.head_dim}]; got {tuple(x.shape)}")
+            expected = f"[b, h={self.n_heads}, n, dh={self.head_dim}]"
+            raise ValueError(f"{type(self).__name__} expects {expected}; got {tuple(x.shape)}")
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, head_dim={self.head_dim}, output_dim={self.output_dim}"

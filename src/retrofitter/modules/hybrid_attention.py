@@ -95,7 +95,9 @@ class HybridLinearAttention(nn.Module):
         """What attention transfer trains: both feature maps and theta."""
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.mix_logit]
 
-    def init_state(self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None) -> HybridRecurrentState:
+    def init_state(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> HybridRecurrentState:
         """Empty decode state (for generating from scratch)."""
         return HybridRecurrentState.init(
             batch_size,
@@ -125,10 +127,16 @@ class HybridLinearAttention(nn.Module):
             raise ValueError(f"q must be [b, {self.n_heads}, n, {self.head_dim}]; got {tuple(q.shape)}")
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 4 or (t.shape[1], t.shape[3]) != expected_kv or t.shape[2] != q.shape[2]:
-                raise ValueError(f"{name} must be [b, {self.n_kv_heads}, n={q.shape[2]}, {self.head_dim}]; got {tuple(t.shape)}")
+                expected = f"[b, {self.n_kv_heads}, n={q.shape[2]}, {self.head_dim}]"
+                raise ValueError(f"{name} must be {expected}; got {tuple(t.shape)}")
 
     def step(
-        self, state: HybridRecurrentState, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, valid_t: torch.Tensor | None = None
+        self,
+        state: HybridRecurrentState,
+        q_t: torch.Tensor,
+        k_t: torch.Tensor,
+        v_t: torch.Tensor,
+        valid_t: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, HybridRecurrentState]:
         """One token: q_t ``[b, h, 1, dh]``, k_t/v_t ``[b, g, 1, dh]``, valid_t ``[b]`` -> (y_t, state)."""
         return hybrid_recurrent_step(state, q_t, k_t, v_t, valid_t, **self._op_kwargs())
@@ -158,7 +166,8 @@ class HybridLinearAttention(nn.Module):
             )
         if state.window_kind != self.window_kind or state.window != self.window:
             raise ValueError(
-                f"state was built for {state.window_kind} window {state.window}, layer uses {self.window_kind} window {self.window}"
+                f"state was built for {state.window_kind} window {state.window}, "
+                f"layer uses {self.window_kind} window {self.window}"
             )
         outputs = []
         # Continuation is a loop of single steps: decoding adds one token at a time, and the

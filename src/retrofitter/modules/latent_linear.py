@@ -81,7 +81,9 @@ class LatentLinear(nn.Module):
         in_features = A.shape[1]
         dtype = dtype if dtype is not None else B.dtype
         device = device if device is not None else B.device
-        module = cls(in_features, out_features, rank, junction=junction, bias=bias is not None, dtype=dtype, device=device)
+        module = cls(
+            in_features, out_features, rank, junction=junction, bias=bias is not None, dtype=dtype, device=device
+        )
         with torch.no_grad():
             if junction:
                 factors = junction_factor(B, A, max_condition=max_condition)

@@ -46,7 +46,9 @@ def _gather_tokens(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def _shift_chunks(x: torch.Tensor, by: int, dim: int) -> torch.Tensor:
     """Shift along the chunk axis ``dim`` by ``by`` chunks, filling with zeros (chunk j gets j - by)."""
     pad_shape = list(x.shape)
-    pad_shape[dim] = by
+    pad_shape[dim] = min(by, x.shape[dim])
+    if by >= x.shape[dim]:
+        return x.new_zeros(pad_shape)
     kept = x.narrow(dim, 0, x.shape[dim] - by)
     return torch.cat([x.new_zeros(pad_shape), kept], dim=dim)
 
@@ -84,6 +86,8 @@ def hybrid_attention_chunked(
     m = -(-n // chunk)  # number of chunks
     padded_len = m * chunk
 
+    if n == 0:
+        raise ValueError("hybrid attention needs at least one token (n == 0)")
     order = None
     q_c, k_c, v_c = q.to(dtype), k.to(dtype), v.to(dtype)
     if key_padding_mask is not None:

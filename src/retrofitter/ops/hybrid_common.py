@@ -60,27 +60,42 @@ def _terraced_contains(query_pos: torch.Tensor, key_pos: torch.Tensor, window: i
     )
 
 
+def _sliding_evictions(new_pos: torch.Tensor, window: int) -> torch.Tensor:
+    # Token L pushes out exactly L - w, which sits in the slot L is written to.
+    return (new_pos % window)[:, None]
+
+
+def _terraced_evictions(new_pos: torch.Tensor, window: int) -> torch.Tensor:
+    # Only tile T-2 leaves (when L starts tile T); in a 2t ring it fills half (T mod 2).
+    start = torch.remainder(torch.div(new_pos, window, rounding_mode="floor"), 2) * window
+    return start[:, None] + torch.arange(window, device=new_pos.device)
+
+
 @dataclass(frozen=True)
 class WindowKind:
     """A softmax window rule.
 
     ``contains(query_pos, key_pos, window) -> bool tensor`` (broadcasting; positions are real-token
     indices, negative = no token). ``buffer_factor * window`` keys always cover any ``W_n`` and is
-    the ring-buffer size of the recurrent state. The chunked execution uses chunks of ``window``
-    queries; for both kinds every key two or more chunks back is outside the window.
+    the ring-buffer size of the recurrent state. ``eviction_slots(new_pos [b], window) -> [b, e]``
+    lists the ring slots that can hold keys leaving the window when the token at ``new_pos``
+    arrives (a superset; the recurrent step maps only those through phi_k instead of the whole
+    buffer). The chunked execution uses chunks of ``window`` queries; for both kinds every key
+    two or more chunks back is outside the window.
     """
 
     name: str
     contains: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     buffer_factor: int
+    eviction_slots: Callable[[torch.Tensor, int], torch.Tensor]
 
     def buffer_size(self, window: int) -> int:
         return self.buffer_factor * window
 
 
 WINDOW_KINDS: dict[str, WindowKind] = {
-    "sliding": WindowKind("sliding", _sliding_contains, buffer_factor=1),
-    "terraced": WindowKind("terraced", _terraced_contains, buffer_factor=2),
+    "sliding": WindowKind("sliding", _sliding_contains, buffer_factor=1, eviction_slots=_sliding_evictions),
+    "terraced": WindowKind("terraced", _terraced_contains, buffer_factor=2, eviction_slots=_terraced_evictions),
 }
 
 # Weight of the linear (history) terms given gamma = sigmoid(theta), shape [h].
@@ -145,4 +160,6 @@ def check_hybrid_inputs(
     if window < 1:
         raise ValueError(f"window must be >= 1; got {window}")
     if key_padding_mask is not None and (key_padding_mask.shape != (b, n) or key_padding_mask.dtype != torch.bool):
-        raise ValueError(f"key_padding_mask must be bool [b={b}, n={n}]; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        raise ValueError(
+            f"key_padding_mask must be bool [b={b}, n={n}]; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )

@@ -11,7 +11,8 @@ State per batch row (``s`` = ring-buffer size: ``w`` for sliding, ``2t`` for ter
 One step with a new token at real index ``L`` (the same math as ``hybrid_naive``):
 
 1. evict every buffered key with ``i not in W_L`` into ``S, z`` (windows are monotone, so a key
-   leaves once; for terraced windows a whole tile leaves when ``L`` starts a new tile);
+   leaves once: ``L - w`` for sliding windows; for terraced ones a whole tile leaves when ``L``
+   starts a new tile). ``WindowKind.eviction_slots`` says which slots can be concerned;
 2. write ``k_L, v_L`` into slot ``L mod s`` (its previous occupant ``L - s`` was just evicted);
 3. ``y_L = (sum_{W_L} gamma e^{q.k/sqrt(d) - c_L} v + lam phi_q(q)^T S) / (sum gamma e^{...} + lam phi_q(q)^T z)``
    with ``c_L`` the exact window max (the window is in the buffer).
@@ -178,7 +179,10 @@ def hybrid_recurrent_step(
     b, h, one, dh = q_t.shape
     g = state.keys.shape[1]
     if one != 1 or k_t.shape != (b, g, 1, dh) or v_t.shape != (b, g, 1, dh):
-        raise ValueError(f"step expects q [b, h, 1, dh] and k, v [b, g={g}, 1, dh]; got {tuple(q_t.shape)}, {tuple(k_t.shape)}, {tuple(v_t.shape)}")
+        raise ValueError(
+            f"step expects q [b, h, 1, dh] and k, v [b, g={g}, 1, dh]; "
+            f"got {tuple(q_t.shape)}, {tuple(k_t.shape)}, {tuple(v_t.shape)}"
+        )
     if state.kv_state.shape[:2] != (b, h):
         raise ValueError(f"state is for batch/heads {tuple(state.kv_state.shape[:2])}, query is {(b, h)}")
     groups = h // g
@@ -188,21 +192,31 @@ def hybrid_recurrent_step(
         valid_t = torch.ones(b, dtype=torch.bool, device=q_t.device)
     new_pos = state.num_tokens  # [b]: real index of the incoming token
 
-    # 1. Evict keys that are no longer in the new token's window into S, z.
-    still_in = kind.contains(new_pos[:, None], state.positions, state.window)
-    evict = state.valid & ~still_in & valid_t[:, None]  # [b, s]
-    k_buf = state.keys.to(dtype).repeat_interleave(groups, dim=1)  # [b, h, s, dh]
-    v_buf = state.values.to(dtype).repeat_interleave(groups, dim=1)
-    phi_evicted = feature_map_k(k_buf) * evict[:, None, :, None]  # [b, h, s, F]
-    kv_state = state.kv_state + torch.einsum("bhsf,bhsd->bhfd", phi_evicted, v_buf)
-    k_state = state.k_state + phi_evicted.sum(dim=2)
-
-    # 2. Write the new key/value into slot L mod s.
+    # 1. Evict keys that are no longer in the new token's window into S, z. Only the candidate
+    #    slots (1 for sliding, t for terraced) go through phi_k, not the whole buffer.
     size = state.positions.shape[1]
+    slots = kind.eviction_slots(new_pos, state.window)  # [b, e]
+    slot_pos = state.positions.gather(1, slots)
+    leaving = state.valid.gather(1, slots) & ~kind.contains(new_pos[:, None], slot_pos, state.window)
+    leaving = leaving & valid_t[:, None]  # [b, e]
+    index = slots[:, None, :, None].expand(b, g, slots.shape[1], dh)
+    k_out = state.keys.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)  # [b, h, e, dh]
+    v_out = state.values.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)
+    phi_out = feature_map_k(k_out) * leaving[:, None, :, None]  # [b, h, e, F]
+    kv_state = state.kv_state + torch.einsum("bhef,bhed->bhfd", phi_out, v_out)
+    k_state = state.k_state + phi_out.sum(dim=2)
+    evict = torch.zeros_like(state.valid).scatter(1, slots, leaving)  # [b, s]
+
+    # 2. Clear evicted slots (keeps the state canonical: equal to prefill_state's), then write
+    #    the new key/value into slot L mod s.
     write = (torch.arange(size, device=q_t.device)[None, :] == (new_pos % size)[:, None]) & valid_t[:, None]
-    keys = torch.where(write[:, None, :, None], k_t.to(state.keys.dtype), state.keys)
-    values = torch.where(write[:, None, :, None], v_t.to(state.values.dtype), state.values)
-    positions = torch.where(write, new_pos[:, None], state.positions)
+    zero = torch.zeros((), dtype=state.keys.dtype, device=q_t.device)
+    keys = torch.where(evict[:, None, :, None], zero, state.keys)
+    values = torch.where(evict[:, None, :, None], zero, state.values)
+    keys = torch.where(write[:, None, :, None], k_t.to(state.keys.dtype), keys)
+    values = torch.where(write[:, None, :, None], v_t.to(state.values.dtype), values)
+    positions = torch.where(evict, -1, state.positions)
+    positions = torch.where(write, new_pos[:, None], positions)
     valid = (state.valid & ~evict) | write
 
     # 3. Output: softmax over the buffered window (exact c_L) + linear history.

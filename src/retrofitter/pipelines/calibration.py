@@ -57,11 +57,14 @@ def capture_stream(model: nn.Module, adapter: ModelAdapter, blocks: torch.Tensor
 
 @torch.no_grad()
 def collect_input_moments(layer: nn.Module, stream: LayerStream, modules: dict[str, nn.Module],
-                          on_batch: Callable[[int], None] | None = None) -> dict[str, SecondMomentAccumulator]:
+                          on_batch: Callable[[int], None] | None = None,
+                          keep_outputs: bool = False) -> dict[str, SecondMomentAccumulator]:
     """Second moments of the inputs of ``modules`` (name -> module inside ``layer``) over ``stream``.
 
     Runs the layer once over every batch with forward hooks; returns name -> accumulator. Modules
-    that share an input should be passed once (one accumulator per distinct input).
+    that share an input should be passed once (one accumulator per distinct input). With
+    ``keep_outputs`` the layer outputs are returned too, as ``(accumulators, next_stream)``, so a
+    caller that needs both pays for one forward pass.
     """
     accumulators: dict[str, SecondMomentAccumulator] = {}
     handles = []
@@ -73,14 +76,19 @@ def collect_input_moments(layer: nn.Module, stream: LayerStream, modules: dict[s
             accumulators[name].update(args[0].detach())
 
         handles.append(module.register_forward_hook(hook))
+    outputs = []
     try:
         for index, (h, kw) in enumerate(zip(stream.hidden, stream.layer_kwargs)):
-            layer(h, **kw)
+            output = _layer_output(layer(h, **kw))
+            if keep_outputs:
+                outputs.append(output)
             if on_batch is not None:
                 on_batch(index)
     finally:
         for handle in handles:
             handle.remove()
+    if keep_outputs:
+        return accumulators, LayerStream(outputs, stream.layer_kwargs, stream.token_count)
     return accumulators
 
 

@@ -33,7 +33,8 @@ from ..linalg.svd import proxy_error
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments
 
-__all__ = ["compress_model", "plan_ranks", "CalibrationError"]
+__all__ = ["compress_model", "compress_layer", "compress_with_moments", "plan_ranks", "CalibrationError",
+           "collect_teacher_moments"]
 
 log = logging.getLogger(__name__)
 
@@ -134,28 +135,15 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
         leader_of = {name: group[0] for group in adapter.linear_groups for name in group}
         t0 = time.perf_counter()
         teacher_mode = config.statistics == "teacher"
-        moments = collect_input_moments(layer, stream, leaders)
-        if teacher_mode:  # the stream stays the original model's: advance it through the original layer
-            next_stream = stream.advance(layer)
+        if teacher_mode:  # the stream stays the original model's: it advances through the original layer
+            moments, next_stream = collect_input_moments(layer, stream, leaders, keep_outputs=True)
+        else:
+            moments = collect_input_moments(layer, stream, leaders)
         timings["statistics"] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        entries = {}
-        for name in targets:
-            linear = adapter.get_linear(layer, name)
-            accumulator = moments[leader_of[name]]
-            accumulator.check_finite(f"layer {index} input of {name!r} ({adapter.linear_path_in_model(index, name)})")
-            rank = plan[(index, name)]
-            has_bias = linear.bias is not None
-            replacement = LatentLinear.from_linear(
-                linear, accumulator.second_moment, rank, preconditioner=config.preconditioner,
-                junction=config.junction, mean=accumulator.mean if has_bias else None, damping=config.damping)
-            error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(),
-                                accumulator.covariance() if has_bias else accumulator.second_moment)
-            entries[name] = {"rank": rank, "in": linear.in_features, "out": linear.out_features,
-                             "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
-                             "proxy_error": error}
-            adapter.set_linear(layer, name, replacement)
+        entries = compress_layer(adapter, layer, index, targets, plan, config,
+                                 {name: moments[leader_of[name]] for name in targets})
         timings["factorization"] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -175,6 +163,34 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
     return model, report
 
 
+def compress_layer(adapter, layer: nn.Module, index: int, targets: list[str], plan: dict, config: CompressConfig,
+                   moments: dict) -> dict:
+    """Replace each target projection of ``layer`` by a ``LatentLinear`` fitted on its input moments.
+
+    ``moments``: projection name -> ``SecondMomentAccumulator`` of its input. Layers with a bias are
+    fitted on centered statistics with bias compensation b̂ = b + (W − BA)μ. Returns per-matrix info.
+    """
+    entries = {}
+    for name in targets:
+        linear = adapter.get_linear(layer, name)
+        accumulator = moments[name]
+        where = f"layer {index} input of {name!r} ({adapter.linear_path_in_model(index, name)})"
+        accumulator.check_finite(where)
+        rank = plan[(index, name)]
+        has_bias = linear.bias is not None
+        replacement = LatentLinear.from_linear(
+            linear, accumulator.second_moment, rank, preconditioner=config.preconditioner,
+            junction=config.junction, mean=accumulator.mean if has_bias else None, damping=config.damping,
+            name=where)
+        error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(),
+                            accumulator.covariance() if has_bias else accumulator.second_moment)
+        entries[name] = {"rank": rank, "in": linear.in_features, "out": linear.out_features,
+                         "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
+                         "proxy_error": error}
+        adapter.set_linear(layer, name, replacement)
+    return entries
+
+
 def _summary(model, adapter, config, plan, layer_reports, timings) -> dict:
     before = sum(e["params_before"] for r in layer_reports for e in r["matrices"].values())
     after = sum(e["params_after"] for r in layer_reports for e in r["matrices"].values())
@@ -189,6 +205,44 @@ def _summary(model, adapter, config, plan, layer_reports, timings) -> dict:
         "timings_s": timings,
         "peak_rss_mb": peak_rss_mb(),
     }
+
+
+@torch.no_grad()
+def collect_teacher_moments(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8,
+                            progress: bool = True) -> dict[int, dict[str, object]]:
+    """Input second moments of every projection of the *original* model, all layers, one pass.
+
+    Returns layer index -> projection name -> ``SecondMomentAccumulator`` (projections sharing an
+    input share one accumulator). Lets several compressions (methods × ratios) of one model reuse a
+    single statistics pass (``statistics="teacher"``). Memory: one d×d float64 matrix per distinct
+    input per layer.
+    """
+    adapter = adapter_for(model)
+    stream = capture_stream(model, adapter, calibration, batch_size)
+    result = {}
+    layers = adapter.decoder_layers(model)
+    for index in tqdm(range(len(layers)), desc="statistics", disable=not progress):
+        layer = layers[index]
+        leaders = {group[0]: adapter.get_linear(layer, group[0]) for group in adapter.linear_groups}
+        moments, stream = collect_input_moments(layer, stream, leaders, keep_outputs=True)
+        result[index] = {name: moments[group[0]] for group in adapter.linear_groups for name in group}
+    return result
+
+
+def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dict[int, dict]) -> tuple[nn.Module, dict]:
+    """Local compression of every layer from precomputed (teacher) moments; returns ``(model, report)``."""
+    start = time.perf_counter()
+    adapter = adapter_for(model)
+    targets = _targets(adapter, config)
+    _check_weights_finite(model, adapter, targets)
+    plan = plan_ranks(model, config)
+    reports = []
+    for index, layer in enumerate(adapter.decoder_layers(model)):
+        t0 = time.perf_counter()
+        entries = compress_layer(adapter, layer, index, targets, plan, config, moments[index])
+        reports.append({"layer": index, "seconds": time.perf_counter() - t0, "matrices": entries})
+    timings = {"factorization": time.perf_counter() - start, "total": time.perf_counter() - start}
+    return model, _summary(model, adapter, config, plan, reports, timings)
 
 
 class _Checkpoint:

@@ -1,0 +1,145 @@
+"""Issue 3 benchmark: local activation-aware SVD variants on the default model, side by side, one run.
+
+Measures, on SmolLM2-135M (wiki-calib calibration, perplexity on wiki-eval and austen):
+the original, then every local method at each ratio — plain SVD, ASVD with hessian / l2 / cov /
+rootcov preconditioners, SVD-LLM (Cholesky whitening) — all fitted on the *teacher* statistics of
+one shared calibration pass (so the methods differ only in the factorization), plus asvd-rootcov
+with sequential ("compressed") statistics, the pipeline's default, timed end to end.
+
+    python benchmarks/compress_methods.py [--ratios 0.1,0.2,0.3] [--max-eval-tokens 16384]
+
+Writes benchmarks/results/compress_methods.json and .md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from retrofitter.api import load_model, write_json
+from retrofitter.config import CompressConfig
+from retrofitter.data.blocks import token_blocks
+from retrofitter.data.corpora import load_text
+from retrofitter.eval.accounting import account
+from retrofitter.eval.perplexity import perplexity
+from retrofitter.eval.resources import peak_rss_mb
+from retrofitter.pipelines.compress import collect_teacher_moments, compress_model, compress_with_moments
+
+METHODS = ["svd", "asvd-hessian", "asvd-l2", "asvd-cov", "asvd-rootcov", "svd-llm"]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def evaluate_ppl(model, eval_blocks, batch_size) -> dict:
+    return {name: perplexity(model, blocks, batch_size=batch_size, progress=False).ppl for name, blocks in eval_blocks.items()}
+
+
+def row(label, method, ratio, model, before, ppl, seconds, note="") -> dict:
+    acc = account(model)
+    return {"label": label, "method": method, "ratio": ratio, "ppl": ppl,
+            "params": acc.params_dict(),
+            "reduction": {"linear": 1 - acc.params_linear / before.params_linear,
+                          "total": 1 - acc.params_total / before.params_total},
+            "compress_seconds": seconds, "peak_rss_mb": peak_rss_mb(), "note": note}
+
+
+def markdown(rows, corpora) -> str:
+    head = ["method", "ratio", "statistics", *[f"ppl {c}" for c in corpora], "linear red.", "total red.", "compress s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ppl = [f"{r['ppl'][c]:.2f}" if r["ppl"][c] < 1e4 else f"{r['ppl'][c]:.3g}" for c in corpora]
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:g}"
+        lines.append("| " + " | ".join([r["method"], ratio, r["note"], *ppl, f"{r['reduction']['linear']:.1%}",
+                                        f"{r['reduction']['total']:.1%}", f"{r['compress_seconds']:.0f}"]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--ratios", default="0.1,0.2,0.3")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval", default="wiki-eval,austen")
+    parser.add_argument("--max-eval-tokens", type=int, default=16384)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--no-sequential", action="store_true", help="skip the sequential-statistics rootcov rows")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compress_methods"))
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    corpora = [c for c in args.eval.split(",") if c]
+
+    started = time.perf_counter()
+    original, tokenizer = load_model(args.model)
+    calibration = token_blocks(tokenizer, load_text("wiki-calib"), seq_len=args.seq_len, max_blocks=args.calib_samples)
+    eval_blocks = {c: token_blocks(tokenizer, load_text(c), seq_len=args.seq_len, max_tokens=args.max_eval_tokens)
+                   for c in corpora}
+    before = account(original)
+    rows = []
+    t0 = time.perf_counter()
+    rows.append(row("original", "original", None, original, before, evaluate_ppl(original, eval_blocks, 4), 0.0))
+    print(markdown(rows[-1:], corpora), flush=True)
+    t0 = time.perf_counter()
+    moments = collect_teacher_moments(original, calibration, batch_size=args.batch_size)
+    statistics_seconds = time.perf_counter() - t0
+    print(f"teacher statistics pass: {statistics_seconds:.0f}s", flush=True)
+    for ratio in ratios:
+        for method in methods:
+            model = copy.deepcopy(original)
+            t0 = time.perf_counter()
+            try:
+                compress_with_moments(model, CompressConfig(ratio=ratio, method=method, statistics="teacher"), moments)
+                ppl = evaluate_ppl(model, eval_blocks, 4)
+                note = "teacher"
+            except (ValueError, FloatingPointError) as error:  # e.g. an ill-conditioned junction: report, don't hide
+                ppl, note = {c: float("nan") for c in corpora}, f"failed: {error}"[:200]
+            seconds = statistics_seconds + (time.perf_counter() - t0)
+            rows.append(row(f"{method}@{ratio}", method, ratio, model, before, ppl, seconds, note))
+            print(markdown(rows[-1:], corpora).splitlines()[-1], flush=True)
+            del model
+        if not args.no_sequential:
+            model = copy.deepcopy(original)
+            t0 = time.perf_counter()
+            compress_model(model, CompressConfig(ratio=ratio, method="asvd-rootcov", statistics="compressed",
+                                                 batch_size=args.batch_size), calibration, progress=False)
+            seconds = time.perf_counter() - t0
+            rows.append(row(f"asvd-rootcov-seq@{ratio}", "asvd-rootcov", ratio, model, before,
+                            evaluate_ppl(model, eval_blocks, 4), seconds, "sequential"))
+            print(markdown(rows[-1:], corpora).splitlines()[-1], flush=True)
+            del model
+    settings = {"model": args.model, "calib": "wiki-calib", "calib_samples": int(calibration.shape[0]),
+                "seq_len": args.seq_len, "eval": corpora, "max_eval_tokens": args.max_eval_tokens,
+                "eval_tokens": {c: int(b.numel()) for c, b in eval_blocks.items()},
+                "damping": CompressConfig().damping, "junction": True, "threads": torch.get_num_threads(),
+                "cpu": cpu_name(), "torch": torch.__version__,
+                "date": datetime.date.today().isoformat(), "wall_seconds": time.perf_counter() - started,
+                "statistics_pass_seconds": statistics_seconds}
+    table = markdown(rows, corpora)
+    write_json({"kind": "compress_methods", "settings": settings, "rows": rows}, args.out.with_suffix(".json"))
+    args.out.with_suffix(".md").write_text(
+        f"Measured {settings['date']} on {settings['cpu']} ({settings['threads']} threads); "
+        f"calibration wiki-calib {settings['calib_samples']}×{args.seq_len}; eval seq {args.seq_len}, "
+        f"{args.max_eval_tokens} tokens per corpus.\n\n{table}\n")
+    print(table)
+    print(json.dumps(settings, indent=1))
+
+
+if __name__ == "__main__":
+    main()

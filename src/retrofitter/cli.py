@@ -1,0 +1,208 @@
+"""Command line: ``retrofitter {fetch,compress,eval,...}``; each command mirrors an API function."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def _corpus_list(text: str) -> tuple[str, ...]:
+    items = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one corpus name")
+    return items
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, help="write the results JSON here")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_eval_options(parser: argparse.ArgumentParser, flag: str, default: str) -> None:
+    parser.add_argument(flag, type=_corpus_list, default=_corpus_list(default),
+                        help=f"comma-separated evaluation corpora (default {default}): built-in names, "
+                             "a .txt file or directory, or hf:DATASET[:CONFIG][:SPLIT]")
+    parser.add_argument("--eval-seq-len", type=int, default=None,
+                        help="perplexity window length (default: --seq-len)")
+    parser.add_argument("--max-eval-tokens", type=int, default=None, help="cap on evaluation tokens per corpus")
+    parser.add_argument("--eval-batch-size", type=int, default=4)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import COMPRESS_METHODS
+
+    parser = argparse.ArgumentParser(prog="retrofitter", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows per-layer progress)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    fetch = commands.add_parser("fetch", help="download the default model and corpora into the cache")
+    fetch.add_argument("names", nargs="*", default=["all"], help="smollm2-135m, wiki, austen or all (default)")
+    fetch.add_argument("--quiet", action="store_true")
+
+    evaluate = commands.add_parser("eval", help="perplexity and accounting of a model")
+    evaluate.add_argument("model", help="alias (smollm2-135m), local HF dir, saved retrofitter dir or hub id")
+    _add_eval_options(evaluate, "--ppl", "wiki-eval")
+    evaluate.add_argument("--seq-len", type=int, default=512)
+    _add_common(evaluate)
+
+    compress = commands.add_parser("compress", help="LatentLLM-style training-free low-rank compression")
+    compress.add_argument("model")
+    compress.add_argument("--method", default="asvd-rootcov", choices=list(COMPRESS_METHODS))
+    compress.add_argument("--ratio", type=float, required=True, help="fraction of linear-layer parameters removed, in (0,1)")
+    compress.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
+    compress.add_argument("--calib-samples", type=int, default=64, help="calibration blocks (default 64)")
+    compress.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
+    compress.add_argument("--out", type=Path, required=True, help="output directory (safetensors)")
+    compress.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
+    compress.add_argument("--statistics", choices=["compressed", "teacher"], default="compressed",
+                          help="calibrate layer l on the compressed (default) or the original model's activations")
+    compress.add_argument("--damping", type=float, default=1e-2)
+    compress.add_argument("--no-junction", action="store_true", help="store plain B, A factors (r(d+d') parameters)")
+    compress.add_argument("--targets", default="", help="comma-separated projections to compress (default all)")
+    compress.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
+    compress.add_argument("--measure-cost", action="store_true",
+                          help="also time one plain forward over the calibration tokens (compression cost ratio)")
+    _add_eval_options(compress, "--eval", "wiki-eval")
+    compress.add_argument("--no-eval", action="store_true", help="skip evaluation of the result")
+    _add_common(compress)
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def cmd_fetch(args) -> int:
+    from .data.fetch import fetch
+
+    paths = fetch(args.names, progress=not args.quiet)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def _eval_config(args, seq_len: int, corpora):
+    from .config import EvalConfig
+
+    return EvalConfig(corpora=tuple(corpora), seq_len=args.eval_seq_len or seq_len,
+                      max_eval_tokens=args.max_eval_tokens, batch_size=args.eval_batch_size)
+
+
+def cmd_eval(args) -> int:
+    from .api import evaluate, load_model, write_json
+    from .checkpoint import is_retrofitted_dir
+    from .eval.table import format_results_table
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    results = evaluate(model, tokenizer, _eval_config(args, args.seq_len, args.ppl), progress=not args.quiet)
+    results["model"] = args.model
+    if is_retrofitted_dir(args.model):
+        import json
+
+        info = json.loads((Path(args.model) / "retrofitter.json").read_text())
+        results["method"], results["ratio"] = info.get("method", "retrofitted"), info.get("ratio")
+    print(format_results_table([results]))
+    if args.json:
+        write_json(results, args.json)
+    return 0
+
+
+def cmd_compress(args) -> int:
+    import torch
+
+    from .api import compress, evaluate, load_model, save, write_json
+    from .checkpoint import prepare_output_dir
+    from .config import CompressConfig
+    from .data.blocks import token_blocks
+    from .data.corpora import load_text
+    from .eval.accounting import account
+    from .eval.resources import peak_rss_mb
+    from .eval.table import format_results_table
+    from .pipelines.compress import CalibrationError
+
+    prepare_output_dir(args.out, args.overwrite)  # fail before any work
+    config = CompressConfig(ratio=args.ratio, method=args.method, junction=not args.no_junction,
+                            statistics=args.statistics, damping=args.damping,
+                            targets=tuple(t for t in args.targets.split(",") if t), batch_size=args.batch_size)
+    timings = {}
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    timings["load"] = time.perf_counter() - start
+    calibration = token_blocks(tokenizer, load_text(args.calib), seq_len=args.seq_len, max_blocks=args.calib_samples)
+    if calibration.shape[0] < args.calib_samples:
+        raise CalibrationError(f"calibration corpus {args.calib!r} gives only {calibration.shape[0]} blocks of "
+                               f"{args.seq_len} tokens; --calib-samples asks for {args.calib_samples}")
+    before = account(model)
+    if args.measure_cost:
+        from .eval.perplexity import perplexity
+
+        t0 = time.perf_counter()
+        perplexity(model, calibration, batch_size=args.batch_size, progress=False)
+        timings["calibration_forward"] = time.perf_counter() - t0
+    checkpoint_dir = args.out.parent / f".{args.out.name}.partial"
+    model, report = compress(model, config, calibration, progress=not args.quiet, checkpoint_dir=checkpoint_dir)
+    timings["compress"] = report["timings_s"]["total"]
+    compress_peak = peak_rss_mb()
+    metadata = {"method": args.method, "ratio": args.ratio, "source_model": args.model,
+                "config": config.to_dict(), "calibration": {"corpus": args.calib, "blocks": calibration.shape[0],
+                                                            "seq_len": args.seq_len},
+                "ranks": {f"{r['layer']}.{name}": e["rank"] for r in report["layers"] for name, e in r["matrices"].items()}}
+    t0 = time.perf_counter()
+    save(model, args.out, tokenizer=tokenizer, metadata=metadata, overwrite=args.overwrite)
+    timings["save"] = time.perf_counter() - t0
+    if args.no_eval:
+        after = account(model)
+        results = {"model": args.model, "ppl": {}, "params": after.params_dict(),
+                   "kv_bytes_per_token": after.kv_bytes_per_token, "macs_per_token": after.macs_per_token,
+                   "settings": {}, "timings_s": {}}
+    else:
+        results = evaluate(model, tokenizer, _eval_config(args, args.seq_len, args.eval), progress=not args.quiet)
+    results.update({"model": args.model, "method": args.method, "ratio": args.ratio, "out": str(args.out)})
+    results["settings"].update({"calib": args.calib, "calib_samples": calibration.shape[0], "calib_seq_len": args.seq_len,
+                                "compress_config": config.to_dict(), "threads": torch.get_num_threads()})
+    results["timings_s"].update(timings)
+    results["timings_s"]["compress_breakdown"] = report["timings_s"]
+    results["params_before"] = before.params_dict()
+    results["reduction"] = {
+        "linear": 1 - results["params"]["linear"] / before.params_linear,
+        "total": 1 - results["params"]["total"] / before.params_total,
+    }
+    results["peak_rss_mb"] = peak_rss_mb()
+    results["compress_peak_rss_mb"] = compress_peak
+    fp32_mb = before.params_total * 4 / 2**20
+    results["cost"] = {"peak_rss_over_fp32_model": compress_peak / fp32_mb}
+    if "calibration_forward" in timings:
+        results["cost"]["compress_over_calibration_forward"] = timings["compress"] / timings["calibration_forward"]
+    results["layers"] = report["layers"]
+    print(format_results_table([results]))
+    if args.json:
+        write_json(results, args.json)
+    return 0
+
+
+COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileExistsError, FileNotFoundError, OSError) as error:
+        # Known user-facing failures: one clear line, no traceback (use --log-level DEBUG for it).
+        logging.getLogger("retrofitter").debug("traceback", exc_info=True)
+        print(f"retrofitter {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

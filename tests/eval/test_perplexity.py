@@ -1,0 +1,36 @@
+import math
+
+import pytest
+import torch
+
+from retrofitter.eval.perplexity import perplexity
+from tiny_models import TINY_VOCAB, build_tiny
+
+
+def test_perplexity_matches_hand_computation():
+    model = build_tiny("llama")
+    blocks = torch.randint(3, TINY_VOCAB, (3, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(blocks).logits.double()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    total, count = 0.0, 0
+    for b in range(3):
+        for t in range(1, 10):
+            total -= float(log_probs[b, t - 1, blocks[b, t]])
+            count += 1
+    result = perplexity(model, blocks, batch_size=2, progress=False)
+    assert result.tokens == count == 27
+    assert result.ppl == pytest.approx(math.exp(total / count), rel=1e-6)
+
+
+def test_uniform_model_has_vocab_perplexity():
+    model = build_tiny("opt")
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # all logits equal -> ppl == vocab size
+    blocks = torch.randint(3, TINY_VOCAB, (2, 8))
+    assert perplexity(model, blocks, progress=False).ppl == pytest.approx(TINY_VOCAB, rel=1e-5)
+
+
+def test_rejects_bad_blocks():
+    with pytest.raises(ValueError, match="seq_len >= 2"):
+        perplexity(build_tiny("llama"), torch.zeros(4, 1, dtype=torch.long), progress=False)
