@@ -29,6 +29,11 @@ def random_ids():
     return torch.randint(3, TINY_VOCAB, (2, 24), generator=generator)
 
 @pytest.fixture(autouse=True)
-def _isolated_threads():
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+def _threads_for_test(request):
+    """Tiny models run fastest on one thread (OpenMP spin-waits cost more than they give on tiny
+    matmuls, badly so on a loaded machine); real-model tests use every core."""
+    previous = torch.get_num_threads()
+    real = request.node.get_closest_marker("real_model") is not None
+    torch.set_num_threads((os.cpu_count() or 1) if real else 1)
     yield
+    torch.set_num_threads(previous)

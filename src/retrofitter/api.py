@@ -14,7 +14,7 @@ from .eval.accounting import account
 from .eval.perplexity import perplexity
 from .eval.resources import peak_rss_mb, timed
 
-__all__ = ["load_model", "load", "save", "evaluate", "compress", "write_json"]
+__all__ = ["load_model", "load", "save", "evaluate", "compress", "linearize", "write_json"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -105,6 +105,22 @@ def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor
     from .pipelines.compress import compress_model
 
     return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir)
+
+
+def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | None = None,
+              lora_blocks: torch.Tensor | None = None, progress: bool = True, work_dir=None, accelerator=None,
+              on_stage=None) -> tuple[nn.Module, dict]:
+    """LoLCATs in place (design.md §4): swap attention for the hybrid, stage 1 attention transfer on
+    ``transfer_blocks`` [N, seq_len], stage 2 LoRA on ``lora_blocks`` then merge. Returns ``(model, report)``.
+
+    ``config`` is a ``LinearizeConfig`` (default settings when None); ``work_dir`` holds the cached
+    teacher inputs of block-wise transfer (resumable); ``on_stage(name, model)`` runs after each stage.
+    """
+    from .config import LinearizeConfig
+    from .pipelines.linearize import linearize_model
+
+    return linearize_model(model, config or LinearizeConfig(), transfer_blocks, lora_blocks, accelerator=accelerator,
+                           progress=progress, work_dir=work_dir, on_stage=on_stage)
 
 
 def write_json(data: dict, path) -> Path:

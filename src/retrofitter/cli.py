@@ -35,6 +35,33 @@ def _add_eval_options(parser: argparse.ArgumentParser, flag: str, default: str) 
     parser.add_argument("--eval-batch-size", type=int, default=4)
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return items
+
+
+def _add_bench_and_report(commands) -> None:
+    bench = commands.add_parser("bench", help="measured prefill latency, decode speed, cache bytes and memory")
+    bench.add_argument("models", nargs="+", help="models to compare (first is the reference for ratios)")
+    bench.add_argument("--prefill-len", type=int, default=512, help="prefill length in tokens (default 512)")
+    bench.add_argument("--contexts", type=_int_list, default=(256, 1024, 4096),
+                       help="comma-separated decode contexts (default 256,1024,4096)")
+    bench.add_argument("--decode-tokens", type=int, default=32, help="timed greedy decode steps (default 32)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed repetitions per model (default 3)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up repetitions (default 1)")
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_common(bench)
+
+    report = commands.add_parser("report", help="report.md + plots from results and bench JSONs in run dirs")
+    report.add_argument("run_dirs", nargs="+", type=Path, help="directories holding *.json results (or JSON files)")
+    report.add_argument("--out", type=Path, default=None, help="output directory (default: the first run dir)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import COMPRESS_METHODS
 
@@ -50,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("model", help="alias (smollm2-135m), local HF dir, saved retrofitter dir or hub id")
     _add_eval_options(evaluate, "--ppl", "wiki-eval")
     evaluate.add_argument("--seq-len", type=int, default=512)
+    evaluate.add_argument("--tasks", type=_corpus_list, default=None,
+                          help="comma-separated lm-eval tasks or task YAML paths (needs the lm-eval extra)")
+    evaluate.add_argument("--tasks-limit", type=float, default=None, help="lm-eval examples per task (or a fraction)")
     _add_common(evaluate)
+    _add_bench_and_report(commands)
 
     compress = commands.add_parser("compress", help="LatentLLM-style training-free low-rank compression")
     compress.add_argument("model")
@@ -72,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_options(compress, "--eval", "wiki-eval")
     compress.add_argument("--no-eval", action="store_true", help="skip evaluation of the result")
     _add_common(compress)
+    _add_linearize_parser(commands)
     return parser
 
 
@@ -101,6 +133,11 @@ def cmd_eval(args) -> int:
     from .checkpoint import is_retrofitted_dir
     from .eval.table import format_results_table
 
+    if args.tasks:
+        from .eval.lm_eval_harness import lm_eval_available
+
+        if not lm_eval_available():  # fail before the (slow) perplexity evaluation
+            raise ValueError("--tasks needs lm-eval: pip install 'retrofitter[lm-eval]'")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     results = evaluate(model, tokenizer, _eval_config(args, args.seq_len, args.ppl), progress=not args.quiet)
     results["model"] = args.model
@@ -109,6 +146,13 @@ def cmd_eval(args) -> int:
 
         info = json.loads((Path(args.model) / "retrofitter.json").read_text())
         results["method"], results["ratio"] = info.get("method", "retrofitted"), info.get("ratio")
+    if args.tasks:
+        from .eval.lm_eval_harness import run_lm_eval
+
+        limit = args.tasks_limit if args.tasks_limit is None or args.tasks_limit < 1 else int(args.tasks_limit)
+        results["lm_eval"] = run_lm_eval(model, tokenizer, list(args.tasks), limit=limit)
+        for task, metrics in results["lm_eval"]["tasks"].items():
+            print(f"lm-eval {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None))
     print(format_results_table([results]))
     if args.json:
         write_json(results, args.json)
@@ -188,7 +232,135 @@ def cmd_compress(args) -> int:
     return 0
 
 
-COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress}
+def cmd_bench(args) -> int:
+    import torch
+
+    from .api import load_model, write_json
+    from .eval.bench import bench_models, format_bench_table, unique_labels
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = [(label, *load_model(name, dtype=args.dtype, device=args.device))
+              for label, name in zip(unique_labels(args.models), args.models)]
+    bench = bench_models(models, prefill_len=args.prefill_len, contexts=args.contexts, decode_tokens=args.decode_tokens,
+                         repeats=args.repeats, warmup=args.warmup, progress=not args.quiet)
+    print(format_bench_table(bench))
+    if args.json:
+        write_json(bench, args.json)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .eval.report import write_report
+
+    print(f"wrote {write_report(args.run_dirs, args.out)}")
+    return 0
+
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def _add_linearize_parser(commands) -> None:
+    from .config import LINEARIZE_PRESETS
+
+    linearize = commands.add_parser("linearize", help="LoLCATs: hybrid window-softmax + linear attention, "
+                                    "attention transfer then LoRA")
+    linearize.add_argument("model")
+    linearize.add_argument("--preset", choices=sorted(LINEARIZE_PRESETS),
+                           help="named budget; explicit flags override it. " + "; ".join(
+                               f"{name}: {p['description']}" for name, p in LINEARIZE_PRESETS.items()))
+    # None = take the preset's (or LinearizeConfig's) value.
+    for flag, kind in (("--feature-map", str), ("--feature-dim", int), ("--window", int), ("--window-kind", str),
+                       ("--linear-weight", str), ("--transfer-tokens", int), ("--lora-tokens", int),
+                       ("--seq-len", int), ("--batch-size", int), ("--transfer-lr", float), ("--transfer-epochs", int),
+                       ("--transfer-mode", str), ("--lora-lr", float), ("--lora-rank", int), ("--lora-alpha", int),
+                       ("--seed", int)):
+        linearize.add_argument(flag, type=kind, default=None)
+    linearize.add_argument("--keep-softmax-layers", type=_layer_list, default=None,
+                           help="comma-separated layer indices that keep softmax attention, e.g. 0,1")
+    linearize.add_argument("--train-corpus", default="wiki-calib", help="training text (default wiki-calib)")
+    linearize.add_argument("--work-dir", type=Path, default=None,
+                           help="block-wise transfer cache (default: next to --out; reused to resume)")
+    linearize.add_argument("--out", type=Path, required=True, help="output directory (safetensors)")
+    linearize.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
+    _add_eval_options(linearize, "--eval", "wiki-eval")
+    linearize.add_argument("--no-eval", action="store_true", help="skip evaluation of the result")
+    linearize.add_argument("--eval-original", action="store_true", help="also evaluate the model before linearizing")
+    _add_common(linearize)
+
+
+def cmd_linearize(args) -> int:
+    import dataclasses
+
+    from .api import evaluate, linearize, load_model, save, write_json
+    from .checkpoint import prepare_output_dir
+    from .config import LINEARIZE_PRESETS, LinearizeConfig
+    from .data.blocks import token_blocks
+    from .data.corpora import load_text
+    from .eval.accounting import account
+    from .eval.resources import peak_rss_mb
+    from .eval.table import format_results_table
+
+    prepare_output_dir(args.out, args.overwrite)  # fail before any work
+    names = {f.name for f in dataclasses.fields(LinearizeConfig)}
+    overrides = {name: value for name, value in vars(args).items() if name in names and value is not None}
+    config = LinearizeConfig.preset(args.preset, **overrides) if args.preset else LinearizeConfig(**overrides)
+    if args.preset and args.max_eval_tokens is None:
+        args.max_eval_tokens = LINEARIZE_PRESETS[args.preset]["eval_max_tokens"]
+    eval_config = _eval_config(args, config.seq_len, args.eval)
+    timings, start = {}, time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    timings["load"] = time.perf_counter() - start
+    original = evaluate(model, tokenizer, eval_config, progress=not args.quiet) if args.eval_original else None
+    # Transfer and LoRA read consecutive, disjoint blocks of the training text while it lasts.
+    wanted = config.transfer_tokens + config.lora_tokens
+    blocks = token_blocks(tokenizer, load_text(args.train_corpus), config.seq_len, max_tokens=max(wanted, config.seq_len))
+    n_transfer = max(1, config.transfer_tokens // config.seq_len)
+    n_lora = max(1, config.lora_tokens // config.seq_len)
+    transfer_blocks = blocks[:n_transfer]
+    lora_blocks = blocks[n_transfer:n_transfer + n_lora] if blocks.shape[0] >= n_transfer + n_lora else blocks[:n_lora]
+    work_dir = args.work_dir or args.out.parent / f".{args.out.name}.transfer"
+    model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=not args.quiet, work_dir=work_dir)
+    timings.update(report["timings_s"])
+    linearize_peak = peak_rss_mb()
+    metadata = {"method": "lolcats", "ratio": None, "source_model": args.model, "config": config.to_dict(),
+                "preset": args.preset, "replaced_layers": report["replaced_layers"]}
+    t0 = time.perf_counter()
+    save(model, args.out, tokenizer=tokenizer, metadata=metadata, overwrite=args.overwrite)
+    timings["save"] = time.perf_counter() - t0
+    if args.no_eval:
+        after = account(model)
+        results = {"ppl": {}, "params": after.params_dict(), "kv_bytes_per_token": after.kv_bytes_per_token,
+                   "settings": {}, "timings_s": {}}
+    else:
+        results = evaluate(model, tokenizer, eval_config, progress=not args.quiet)
+    hybrid = [m for m in model.modules() if hasattr(m, "state_numbers")]
+    dtype_bytes = next(model.parameters()).element_size()
+    results.update({"model": args.model, "method": "lolcats", "ratio": None, "out": str(args.out),
+                    "state_bytes_per_sequence": sum(m.state_numbers() for m in hybrid) * dtype_bytes})
+    results["settings"].update({"linearize_config": config.to_dict(), "preset": args.preset,
+                                "train_corpus": args.train_corpus, "transfer_blocks": list(transfer_blocks.shape),
+                                "lora_blocks": list(lora_blocks.shape), "work_dir": str(work_dir)})
+    results["timings_s"].update(timings)
+    results["peak_rss_mb"] = peak_rss_mb()
+    results["linearize_peak_rss_mb"] = linearize_peak
+    if original is not None:
+        results["ppl_original"] = original["ppl"]
+    transfer = report.get("transfer", {})
+    results["transfer_mse"] = {str(k): v for k, v in transfer.get("layers", {}).items()}
+    results["lora"] = {k: v for k, v in report.get("lora", {}).items() if k != "loss_history"}
+    print(format_results_table([r for r in (original, results) if r is not None]))
+    if args.json:
+        write_json(results, args.json)
+    return 0
+
+
+COMMANDS = {"linearize": cmd_linearize, "fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv=None) -> int:

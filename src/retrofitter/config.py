@@ -59,6 +59,13 @@ class CompressConfig(_JsonRoundTrip):
     joint_vo: bool = False
     joint_mlp: bool = True
     qk_iterations: int = 8
+    # latentllm only (pipelines/latentllm.py, pipelines/allocation.py):
+    mlp_algorithm: str = "streaming"  # "streaming" (down refitted to the compressed intermediate) | "auxiliary"
+    mlp_iterations: int = 4  # auxiliary-variable iterations
+    mlp_aux_tokens: int = 8192  # token subsample of the auxiliary-variable MLP (it holds activations)
+    latent_attention: bool = True  # swap attention for LatentAttention (latent k/v cache) at the end
+    allocation_weighting: str = "relative"  # global allocation: key of allocation.WEIGHTINGS
+    allocation_min_keep: float = 0.0  # global allocation: every matrix keeps at least this fraction of its params
 
     def __post_init__(self):
         if not 0.0 < self.ratio < 1.0:
@@ -69,6 +76,10 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"statistics must be 'compressed' or 'teacher', got {self.statistics!r}")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"allocation must be 'uniform' or 'global', got {self.allocation!r}")
+        if self.mlp_algorithm not in ("streaming", "auxiliary"):
+            raise ValueError(f"mlp_algorithm must be 'streaming' or 'auxiliary', got {self.mlp_algorithm!r}")
+        if not 0.0 <= self.allocation_min_keep < 1.0 - self.ratio + 1e-12:
+            raise ValueError(f"allocation_min_keep must lie in [0, 1 - ratio], got {self.allocation_min_keep}")
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}")
         if self.batch_size < 1:
@@ -81,21 +92,96 @@ class CompressConfig(_JsonRoundTrip):
 
 @dataclass(frozen=True)
 class LinearizeConfig(_JsonRoundTrip):
-    """Settings of ``retrofitter.linearize`` (LoLCATs, design.md §4)."""
+    """Settings of ``retrofitter.linearize`` (LoLCATs, design.md §4).
+
+    Hybrid layer: ``feature_map`` (hedgehog, t2r, elu), ``feature_dim`` (projection width; hedgehog
+      gives 2x features), ``window`` (sliding width or terraced tile), ``window_kind`` (sliding,
+      terraced), ``linear_weight`` (``one`` or ``one_minus_gamma``), ``mix_init`` (theta, gamma = sigmoid).
+    Stage 1 (attention transfer): ``transfer_tokens`` training tokens in blocks of ``seq_len``,
+      ``transfer_lr``, ``transfer_epochs``; ``transfer_mode`` ``joint`` (teacher forward of the whole
+      model per batch) or ``blockwise`` (teacher inputs of each layer cached to disk once, layers
+      trained one by one, resumable).
+    Stage 2 (LoRA, next-token loss): ``lora_tokens``, ``lora_lr``, ``lora_rank``, ``lora_alpha``,
+      ``lora_dropout``; merged into the weights afterwards. 0 tokens skips a stage.
+    ``keep_softmax_layers``: layer indices left as softmax attention.
+    """
 
     feature_map: str = "hedgehog"
     feature_dim: int = 64
     window: int = 64
-    window_kind: str = "sliding"
+    window_kind: str = "terraced"
+    linear_weight: str = "one"
+    mix_init: float = -2.2
     transfer_tokens: int = 200_000
     lora_tokens: int = 100_000
     seq_len: int = 512
     batch_size: int = 1
     transfer_lr: float = 1e-2
+    transfer_epochs: int = 1
+    transfer_mode: str = "joint"
     lora_lr: float = 1e-4
     lora_rank: int = 8
     lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    grad_clip: float = 1.0
     keep_softmax_layers: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        from .modules.feature_maps import FEATURE_MAPS
+        from .ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
+
+        choices = {"feature_map": FEATURE_MAPS, "window_kind": WINDOW_KINDS, "linear_weight": LINEAR_WEIGHTS,
+                   "transfer_mode": ("joint", "blockwise")}
+        for name, options in choices.items():
+            if getattr(self, name) not in options:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {sorted(options)}")
+        for name in ("feature_dim", "window", "seq_len", "batch_size", "lora_rank", "transfer_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("transfer_tokens", "lora_tokens", "lora_dropout", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (next-token loss), got {self.seq_len}")
+        if any(int(i) < 0 for i in self.keep_softmax_layers):
+            raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
+
+    def hybrid_settings(self) -> dict:
+        """Keyword arguments of ``HybridLinearAttention`` for this config."""
+        return {"window": self.window, "window_kind": self.window_kind, "feature_map": self.feature_map,
+                "feature_dim": self.feature_dim, "mix_init": self.mix_init, "linear_weight": self.linear_weight}
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "LinearizeConfig":
+        """A named budget from ``LINEARIZE_PRESETS`` with ``overrides`` applied on top."""
+        if name not in LINEARIZE_PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(LINEARIZE_PRESETS)}")
+        return cls(**{**LINEARIZE_PRESETS[name]["config"], **overrides})
+
+
+# Named budgets: config fields + a description (the CLI adds the data/eval choices it lists).
+LINEARIZE_PRESETS: dict[str, dict] = {
+    "cpu-small": {
+        "description": "SmolLM2-135M on 2 CPU cores in under ~30 min: 24k transfer + 24k LoRA tokens of "
+                       "wiki-calib at 512, blockwise transfer, LoRA lr 1e-3",
+        "config": {"transfer_tokens": 24_576, "lora_tokens": 24_576, "seq_len": 512, "batch_size": 1,
+                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2},
+        "eval_max_tokens": 16_384,
+    },
+    "gpu-small": {
+        "description": "one GPU, ~10-20 min for a 135M-1B model: 2M + 2M tokens at 2048",
+        "config": {"transfer_tokens": 2_000_000, "lora_tokens": 2_000_000, "seq_len": 2048, "batch_size": 4,
+                   "transfer_lr": 1e-2, "lora_lr": 2e-4},
+        "eval_max_tokens": None,
+    },
+    "paper": {
+        "description": "LoLCATs 7B/8B recipe scale: 20M + 20M tokens at 1024, batch 8 (paper: 40M total)",
+        "config": {"transfer_tokens": 20_000_000, "lora_tokens": 20_000_000, "seq_len": 1024, "batch_size": 8,
+                   "transfer_lr": 1e-2, "lora_lr": 1e-4},
+        "eval_max_tokens": None,
+    },
+}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""LatentLLM ablation on the default model (review objections 1 and 2; design.md §3).
+
+Variants ("parts"), each at every ratio, same total linear-parameter budget:
+
+    rootcov_plain     local rootcov (compress.py), plain factors r(d+d')
+    rootcov           local rootcov with junction (more rank at the same parameter count)
+    joint_qk          latentllm pipeline: + joint QK only (V/O, MLP local)
+    joint_ud          + joint QK + streaming joint MLP (down refitted to the compressed intermediate)
+    joint_vo          + joint VO as well
+    latentllm         default latentllm (joint QK + joint UD), uniform allocation
+    rootcov_global    local rootcov parts, global allocation (allocation alone)
+    latentllm_global  latentllm with global allocation
+    qk_sweep          q,k only, QK iterations 0..8 at the first ratio: mean score error vs perplexity
+
+    python benchmarks/compress_ablation.py --ratios 0.2 --parts rootcov,latentllm,latentllm_global
+
+Writes benchmarks/results/compress_ablation.json and .md (rows are merged with earlier runs by
+(part, ratio, extra), so subsets can be run separately).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from retrofitter.api import load_model
+from retrofitter.config import CompressConfig
+from retrofitter.data.blocks import token_blocks
+from retrofitter.data.corpora import load_text
+from retrofitter.eval.accounting import account
+from retrofitter.eval.perplexity import perplexity
+from retrofitter.pipelines.compress import compress_model
+
+PARTS: dict[str, dict] = {
+    "rootcov_plain": dict(method="asvd-rootcov", junction=False),
+    "rootcov": dict(method="asvd-rootcov"),
+    "joint_qk": dict(method="latentllm", joint_qk=True, joint_mlp=False, joint_vo=False),
+    "joint_ud": dict(method="latentllm", joint_qk=True, joint_mlp=True, joint_vo=False),
+    "joint_vo": dict(method="latentllm", joint_qk=True, joint_mlp=True, joint_vo=True),
+    "latentllm": dict(method="latentllm"),
+    "rootcov_global": dict(method="latentllm", joint_qk=False, joint_mlp=False, allocation="global"),
+    "latentllm_global": dict(method="latentllm", allocation="global"),
+}
+RESULTS = Path(__file__).parent / "results"
+
+
+def evaluate(model, eval_blocks, batch_size) -> dict:
+    return {name: perplexity(model, blocks, batch_size=batch_size, progress=False).ppl
+            for name, blocks in eval_blocks.items()}
+
+
+def run_one(args, label, settings, calibration, eval_blocks, extra="") -> dict:
+    model, _ = load_model(args.model)
+    base = account(model)
+    start = time.perf_counter()
+    model, report = compress_model(model, CompressConfig(ratio=settings.pop("ratio"), batch_size=args.batch_size,
+                                                         **settings), calibration, progress=False)
+    seconds = time.perf_counter() - start
+    ppl = evaluate(model, eval_blocks, args.batch_size)
+    acc = account(model)
+    layers = report["layers"]
+    qk_errors = [r["qk_score_error"] for r in layers if "qk_score_error" in r]
+    row = {"part": label, "ratio": report["ratio"], "extra": extra, "ppl": ppl,
+           "targets_reduction": report["targets_reduction"],
+           "params_linear": acc.params_linear, "linear_reduction": 1 - acc.params_linear / base.params_linear,
+           "kv_bytes_per_token": acc.kv_bytes_per_token, "compress_seconds": seconds,
+           "mean_qk_score_error": sum(qk_errors) / len(qk_errors) if qk_errors else None,
+           "mean_proxy_error": sum(e["proxy_error"] for r in layers for e in r["matrices"].values())
+           / max(1, sum(len(r["matrices"]) for r in layers)),
+           "keep_fraction_by_projection": report.get("latentllm", {}).get("keep_fraction_by_projection"),
+           "ranks": {f"{r['layer']}.{n}": e["rank"] for r in layers for n, e in r["matrices"].items()}}
+    print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
+    return row
+
+
+def markdown(payload) -> str:
+    corpora = payload["settings"]["eval"]
+    head = ["part", "ratio", "extra", *[f"ppl {c}" for c in corpora], "linear red.", "KV B/token", "qk score err",
+            "compress s"]
+    lines = [f"Eval: {payload['settings']['max_eval_tokens']} tokens per corpus, seq {payload['settings']['seq_len']}; "
+             f"calibration {payload['settings']['calib_samples']}x{payload['settings']['seq_len']} wiki-calib.",
+             f"Original: " + ", ".join(f"{c} {v:.2f}" for c, v in payload.get("original", {}).items()), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(payload["rows"], key=lambda r: (r["ratio"], r["part"], r["extra"])):
+        qk = "-" if r["mean_qk_score_error"] is None else f"{r['mean_qk_score_error']:.4f}"
+        lines.append("| " + " | ".join([r["part"], f"{r['ratio']:g}", r["extra"] or "-",
+                                        *[f"{r['ppl'][c]:.2f}" for c in corpora], f"{r['linear_reduction']:.1%}",
+                                        str(r["kv_bytes_per_token"]), qk, f"{r['compress_seconds']:.0f}"]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--ratios", default="0.1,0.2,0.3")
+    parser.add_argument("--parts", default=",".join([*PARTS, "qk_sweep"]))
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval", default="wiki-eval,austen")
+    parser.add_argument("--max-eval-tokens", type=int, default=16384)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--qk-iterations", default="0,1,2,4,8")
+    parser.add_argument("--skip-original", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "compress_ablation.json"))
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS and p != "qk_sweep"]
+    if unknown:
+        raise SystemExit(f"unknown parts {unknown}; known: {[*PARTS, 'qk_sweep']}")
+    out = Path(args.out)
+    payload = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    model, tokenizer = load_model(args.model)
+    calibration = token_blocks(tokenizer, load_text("wiki-calib"), args.seq_len, max_blocks=args.calib_samples)
+    corpora = args.eval.split(",")
+    eval_blocks = {c: token_blocks(tokenizer, load_text(c), args.seq_len, max_tokens=args.max_eval_tokens)
+                   for c in corpora}
+    payload["settings"] = {"model": args.model, "calib_samples": int(calibration.shape[0]), "seq_len": args.seq_len,
+                           "eval": corpora, "max_eval_tokens": args.max_eval_tokens, "threads": torch.get_num_threads(),
+                           "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    if not args.skip_original and "original" not in payload:
+        payload["original"] = evaluate(model, eval_blocks, args.batch_size)
+        print("original", payload["original"], flush=True)
+    del model
+
+    def record(row):
+        key = (row["part"], row["ratio"], row["extra"])
+        payload["rows"] = [r for r in payload["rows"] if (r["part"], r["ratio"], r["extra"]) != key] + [row]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=1))
+        out.with_suffix(".md").write_text(markdown(payload) + "\n")
+
+    for ratio in ratios:
+        for part in parts:
+            if part == "qk_sweep":
+                continue
+            record(run_one(args, part, {"ratio": ratio, **PARTS[part]}, calibration, eval_blocks))
+    if "qk_sweep" in parts:
+        for iterations in [int(i) for i in args.qk_iterations.split(",")]:
+            settings = {"ratio": ratios[0], "method": "latentllm", "targets": ("q", "k"), "qk_iterations": iterations}
+            record(run_one(args, "qk_sweep", settings, calibration, eval_blocks, extra=f"qk_iter={iterations}"))
+        record(run_one(args, "qk_sweep", {"ratio": ratios[0], "method": "asvd-rootcov", "targets": ("q", "k")},
+                       calibration, eval_blocks, extra="local rootcov q,k"))
+    print(markdown(payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Synthetic passkey retrieval (no download): can the model recall a number hidden in filler text?
+
+Prompt for a context of about ``L`` tokens and a depth ``δ ∈ [0, 1]``:
+
+    INTRO + filler[: δ·m] + "The pass key is NNNNN. Remember it. NNNNN is the pass key. "
+          + filler[δ·m :] + "What is the pass key? The pass key is"
+
+where the filler repeats ``FILLER`` sentences so that the whole prompt is close to ``L`` tokens.
+The model continues greedily for ``max_new_tokens``; a trial is correct when the first run of digits
+in the continuation equals NNNNN. Accuracy is reported per context length, per depth and overall.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import torch
+from torch import nn
+
+__all__ = ["FILLER", "passkey_prompt", "passkey_trial", "passkey_accuracy"]
+
+INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = "What is the pass key? The pass key is"
+
+
+def _needle(passkey: str) -> str:
+    return f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+
+
+def passkey_prompt(tokenizer, context_tokens: int, depth: float, passkey: str) -> str:
+    """The prompt text (≈ ``context_tokens`` tokens) with the needle after ``depth`` of the filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    fixed = len(tokenizer.encode(INTRO + _needle(passkey) + QUESTION, add_special_tokens=False))
+    per_filler = max(1, len(tokenizer.encode(FILLER, add_special_tokens=False)))
+    repeats = max(1, (context_tokens - fixed) // per_filler)
+    before = round(depth * repeats)
+    return INTRO + FILLER * before + _needle(passkey) + FILLER * (repeats - before) + QUESTION
+
+
+@torch.no_grad()
+def passkey_trial(model: nn.Module, tokenizer, context_tokens: int, depth: float, passkey: str,
+                  max_new_tokens: int = 8) -> dict:
+    """One greedy trial: ``{"correct", "answer", "prompt_tokens"}``."""
+    text = passkey_prompt(tokenizer, context_tokens, depth, passkey)
+    inputs = tokenizer(text, return_tensors="pt")
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                            else tokenizer.eos_token_id)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    digits = re.search(r"\d+", answer)
+    return {"correct": bool(digits and digits.group(0) == passkey), "answer": answer.strip(),
+            "prompt_tokens": int(inputs["input_ids"].shape[1])}
+
+
+def passkey_accuracy(model: nn.Module, tokenizer, context_lengths=(256, 512, 1024), depths=(0.1, 0.5, 0.9),
+                     trials: int = 2, digits: int = 5, seed: int = 0, max_new_tokens: int = 8) -> dict:
+    """Accuracy over ``context_lengths`` × ``depths`` × ``trials`` random ``digits``-digit pass keys."""
+    if trials < 1 or digits < 1:
+        raise ValueError(f"trials and digits must be >= 1; got {trials}, {digits}")
+    rng = random.Random(seed)
+    records = []
+    for length in context_lengths:
+        for depth in depths:
+            for _ in range(trials):
+                passkey = str(rng.randrange(10 ** (digits - 1), 10**digits))
+                result = passkey_trial(model, tokenizer, length, depth, passkey, max_new_tokens)
+                records.append({"context": length, "depth": depth, "passkey": passkey, **result})
+
+    def mean(rows) -> float:
+        return sum(r["correct"] for r in rows) / len(rows)
+
+    return {
+        "accuracy": mean(records),
+        "by_context": {str(n): mean([r for r in records if r["context"] == n]) for n in context_lengths},
+        "by_depth": {str(d): mean([r for r in records if r["depth"] == d]) for d in depths},
+        "settings": {"context_lengths": list(context_lengths), "depths": list(depths), "trials": trials,
+                     "digits": digits, "seed": seed},
+        "trials": records,
+    }

@@ -1,0 +1,191 @@
+"""``retrofitter report``: gather results and bench JSONs from run directories into report.md + PNGs.
+
+A file is a *bench* file when it has ``"kind": "bench"`` (written by :func:`bench_models`), a
+*results* file when it has ``ppl`` and ``params`` (``eval`` / ``compress`` output, design.md §5);
+anything else (``config.json``, ``retrofitter.json`` of saved models, ...) is listed as skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .bench import format_bench_table, machine_info
+from .plots import PLOTS
+from .table import format_results_table
+
+__all__ = ["RunData", "collect_runs", "write_report", "format_cost_table"]
+
+
+@dataclass
+class RunData:
+    """Loaded JSONs: results dicts, bench dicts (each with ``_source`` = file stem) and skipped files."""
+
+    results: list[dict] = field(default_factory=list)
+    benches: list[dict] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def _json_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(path.glob("*.json"))
+    raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
+
+
+def collect_runs(paths) -> RunData:
+    """Read every ``*.json`` directly inside each run dir (or a JSON file given itself)."""
+    data = RunData()
+    for path in map(Path, paths):
+        for file in _json_files(path):
+            try:
+                content = json.loads(file.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                data.skipped.append(f"{file}: unreadable ({error})")
+                continue
+            if isinstance(content, dict) and content.get("kind") == "bench":
+                data.benches.append({**content, "_source": file.stem})
+            elif isinstance(content, dict) and "ppl" in content and "params" in content:
+                data.results.append({**content, "_source": file.stem})
+            else:
+                data.skipped.append(f"{file}: neither a results nor a bench JSON")
+                continue
+            data.files.append(str(file))
+    return data
+
+
+def _sort_key(result: dict):
+    ratio = result.get("ratio")
+    return (str(result.get("model", "")), ratio is not None, str(result.get("method", "")), ratio or 0.0)
+
+
+def _ratio_text(result: dict) -> str:
+    return "-" if result.get("ratio") is None else f"{result['ratio']:g}"
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_cost_table(results: list[dict]) -> str:
+    """Compression cost of every result that has one (``compress --measure-cost``), as Markdown."""
+    header = ["model", "method", "ratio", "compress (s)", "calibration forward (s)", "compress / forward",
+              "compress peak RSS (MiB)", "peak RSS / fp32 model"]
+    rows = []
+    for r in results:
+        cost, timings = r.get("cost"), r.get("timings_s", {})
+        if not cost:
+            continue
+        ratio = cost.get("compress_over_calibration_forward")
+        over_model = cost.get("peak_rss_over_fp32_model")
+        rows.append([str(r.get("model", "")), str(r.get("method", "")), _ratio_text(r),
+                     _seconds(timings.get("compress")), _seconds(timings.get("calibration_forward")),
+                     "-" if ratio is None else f"{ratio:.1f}×",
+                     "-" if r.get("compress_peak_rss_mb") is None else f"{r['compress_peak_rss_mb']:.0f}",
+                     "-" if over_model is None else f"{over_model:.2f}×"])
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _lm_eval_table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        for task, metrics in r.get("lm_eval", {}).get("tasks", {}).items():
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None and not k.endswith("stderr"))
+            rows.append(f"| {r.get('model', '')} | {r.get('method', '')} | {_ratio_text(r)} | {task} | {shown} |")
+    if not rows:
+        return ""
+    return "\n".join(["| model | method | ratio | task | metrics |", "|---|---|---|---|---|", *rows])
+
+
+def _machine_line(machine: dict) -> str:
+    parts = [machine.get("cpu"), f"{machine.get('torch_threads')} torch threads",
+             machine.get("accelerator"), f"torch {machine.get('torch')}", f"transformers {machine.get('transformers')}",
+             machine.get("platform")]
+    return "; ".join(str(p) for p in parts if p)
+
+
+def _settings_lines(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results:
+        settings = {k: v for k, v in r.get("settings", {}).items() if k not in ("compress_config", "eval_tokens")}
+        lines.append(f"- **{r.get('model', '')} / {r.get('method', '')} / {_ratio_text(r)}** "
+                     f"(`{r['_source']}.json`): `{json.dumps(settings, sort_keys=True)}`")
+        if r.get("settings", {}).get("compress_config"):
+            lines.append(f"  - compress config: `{json.dumps(r['settings']['compress_config'], sort_keys=True)}`")
+    return lines
+
+
+def _bench_section(bench: dict) -> list[str]:
+    settings, machine = bench.get("settings", {}), bench.get("machine", {})
+    lines = [f"### `{bench['_source']}.json`", "",
+             f"Measured {machine.get('date', '?')} on {_machine_line(machine)}.",
+             f"Settings: prefill {settings.get('prefill_len')} tokens; contexts {settings.get('contexts')}; "
+             f"{settings.get('decode_tokens')} decode tokens timed after the prefill; "
+             f"{settings.get('repeats')} repeats after {settings.get('warmup')} warm-up, models interleaved; "
+             f"batch 1; dtype {settings.get('dtype')}; memory: {settings.get('memory_measure')}.",
+             "Ratios are value / value of the first model (decode ratio > 1 and latency ratio < 1 mean faster).", "",
+             format_bench_table(bench, markdown=True), ""]
+    return lines
+
+
+def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
+    """Write ``out/report.md`` and ``out/plots/*.png`` from the JSONs in ``run_dirs``; returns the report path.
+
+    ``out`` defaults to the first run directory.
+    """
+    run_dirs = [Path(p) for p in run_dirs]
+    if not run_dirs:
+        raise ValueError("give at least one run directory")
+    data = collect_runs(run_dirs)
+    if not data.results and not data.benches:
+        raise ValueError(f"no results or bench JSON files found in {[str(p) for p in run_dirs]}")
+    out = Path(out) if out is not None else (run_dirs[0] if run_dirs[0].is_dir() else run_dirs[0].parent)
+    out.mkdir(parents=True, exist_ok=True)
+    results = sorted(data.results, key=_sort_key)
+
+    lines = [f"# {title}", "",
+             f"Generated {machine_info()['date']} on {_machine_line(machine_info())}.", "",
+             "Run directories: " + ", ".join(f"`{p}`" for p in run_dirs), ""]
+    if results:
+        lines += ["## Quality and size", "",
+                  "Perplexity per evaluation corpus (lower is better); params in millions; "
+                  "KV B/token: bytes the decoding cache grows by per token.", "",
+                  format_results_table(results, markdown=True), ""]
+        cost = format_cost_table(results)
+        if cost:
+            lines += ["## Compression cost", "",
+                      "compress / forward: compression wall time over one plain forward pass over the same "
+                      "calibration tokens; peak RSS / fp32 model: the process's peak memory during compression "
+                      "over the size of the fp32 model.", "", cost, ""]
+        downstream = _lm_eval_table(results)
+        if downstream:
+            lines += ["## Downstream tasks (lm-eval)", "", downstream, ""]
+    if data.benches:
+        lines += ["## Speed and memory", ""]
+        for bench in data.benches:
+            lines += _bench_section(bench)
+    figures = []
+    for name, (plot, caption) in PLOTS.items():
+        written = plot(results, data.benches, out / "plots" / f"{name}.png")
+        if written is not None:
+            figures.append(f"### {caption}\n\n![{caption}](plots/{name}.png)\n")
+    if figures:
+        lines += ["## Plots", "", *figures]
+    if results:
+        lines += ["## Settings", "", *_settings_lines(results), ""]
+        timings = [f"- {r.get('model', '')} / {r.get('method', '')} / {_ratio_text(r)}: "
+                   + ", ".join(f"{k} {v:.1f} s" for k, v in r.get("timings_s", {}).items() if isinstance(v, (int, float)))
+                   + (f"; peak RSS {r['peak_rss_mb']:.0f} MiB" if r.get("peak_rss_mb") else "")
+                   for r in results]
+        lines += ["Timings:", "", *timings, ""]
+    lines += ["## Files", "", *[f"- read `{f}`" for f in data.files], *[f"- skipped {s}" for s in data.skipped], ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+

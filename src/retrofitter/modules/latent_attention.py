@@ -1,0 +1,247 @@
+"""LatentAttention: multi-head attention whose k/v cache holds the shared latents A_k x and A_v x.
+
+After LatentLLM compression every projection is a ``LatentLinear`` y = B (A x) + b with one input
+factor A shared by all heads (junction form) and a per-head decompression B (rows of head j =
+B[j·dh:(j+1)·dh]). Per token the cache then stores
+
+    z_k = A_k x  [r_k],   z_v = A_v x  [r_v]          (r_k + r_v numbers instead of 2·g·dh)
+
+and attention decompresses per head. Two executions, chosen by the model family:
+
+* RoPE (Llama, Mistral, Qwen2/3): k_g = RoPE_pos(norm(B_{k,g} z_k + b_k)), v_g = B_{v,g} z_v + b_v for every
+  cached token (RoPE does not commute with B_k, so decompression comes first); query as usual.
+* no RoPE (OPT): absorbed (MLA style). With q_i the head-i query [dh]:
+      q_i·k_{g,j} = (B_{k,g}ᵀ q_i)·z_{k,j} + q_i·b_{k,g}     (the last term is constant over keys j: softmax drops it)
+      Σ_j p_ij v_{g,j} = B_{v,g} (Σ_j p_ij z_{v,j}) + b_{v,g}  (Σ_j p_ij = 1)
+  so attention runs in the latent spaces: queries [b, h, n, r_k], one shared key "head" [b, 1, N, r_k]
+  and value "head" [b, 1, N, r_v]; B_v and b_v are applied to the per-head mix before o_proj.
+
+A dense ``nn.Linear`` projection is allowed too: its latent is x itself (r = d) and B = W.
+
+Cache: ``LatentCacheLayer`` (a ``DynamicLayer``) keeps keys = z_k [b, 1, N, r_k], values = z_v
+[b, 1, N, r_v] and, for RoPE models, the position id of every cached token [b, N] (the rotation of a
+cached key is recomputed from it at each step). ``latent_cache_layer`` swaps it into any
+``DynamicCache`` (the one ``generate()`` builds) at first use of a layer, so no special cache class
+is needed; ``get_seq_length`` and the causal masks keep working because keys.shape[-2] = N.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import DynamicLayer
+
+from .latent_linear import LatentLinear
+
+__all__ = ["LatentAttention", "LatentCacheLayer", "latent_cache_layer", "rotate_half_rope"]
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate_half layout: x cos + [−x₂, x₁] sin; x [b, heads, n, dh], cos/sin [b, n, dh]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _latent(projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """z = A x [..., r] (junction form) for a LatentLinear; x itself for a dense Linear."""
+    return projection.latent(x) if isinstance(projection, LatentLinear) else x
+
+
+def _decompression(projection: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B [d_out, r], bias [d_out] | None) with projection(x) = B z + bias, z = _latent(projection, x)."""
+    if isinstance(projection, LatentLinear):
+        return projection.up, projection.bias
+    return projection.weight, projection.bias
+
+
+def _latent_width(projection: nn.Module) -> int:
+    return projection.rank if isinstance(projection, LatentLinear) else projection.in_features
+
+
+class LatentCacheLayer(DynamicLayer):
+    """DynamicLayer holding keys = z_k [b, 1, N, r_k], values = z_v [b, 1, N, r_v], positions [b, N]."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.positions = None
+
+    def update_latent(self, key_latent, value_latent, positions):
+        """Append z_k [b, n, r_k], z_v [b, n, r_v], positions [b, n] (or None); return all cached."""
+        keys, values = self.update(key_latent.unsqueeze(1), value_latent.unsqueeze(1))
+        if positions is not None:
+            positions = positions.expand(key_latent.shape[0], -1)
+            self.positions = positions if self.positions is None else torch.cat([self.positions, positions], -1)
+        return keys[:, 0], values[:, 0], self.positions
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.positions is not None:
+            self.positions = self.positions[:, :tokens_to_remove]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.positions is not None:
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.positions is not None:
+            self.positions = self.positions[indices]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+
+def latent_cache_layer(cache, layer_index: int):
+    """The LatentCacheLayer of ``layer_index`` in ``cache`` (a DynamicCache), installed at first use.
+
+    Raises ``ValueError`` for caches that already hold dense keys for that layer or that are not
+    dynamic (static caches preallocate dense [b, g, N, dh] tensors).
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"LatentAttention needs a transformers Cache with .layers, got {type(cache).__name__}")
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    while replicate is not None and len(layers) <= layer_index:
+        layers.append(replicate())
+    if layer_index >= len(layers):
+        raise ValueError(f"cache has {len(layers)} layers, LatentAttention layer {layer_index} has none")
+    layer = layers[layer_index]
+    if not isinstance(layer, LatentCacheLayer):
+        if not isinstance(layer, DynamicLayer) or getattr(layer, "is_initialized", False):
+            raise ValueError(
+                f"layer {layer_index}: cache layer {type(layer).__name__} cannot hold latents (use a fresh "
+                "DynamicCache, the default of generate())")
+        layer = LatentCacheLayer()
+        layers[layer_index] = layer
+    return layer
+
+
+class _HeadsView:
+    """The attributes HF attention kernels read from the module they are given."""
+
+    def __init__(self, num_key_value_groups: int, training: bool, is_causal: bool = True):
+        self.num_key_value_groups = num_key_value_groups
+        self.training = training
+        self.is_causal = is_causal
+
+
+class LatentAttention(nn.Module):
+    """Attention over latent k/v (see module docstring). Projections are kept under HF's names.
+
+    Args:
+        q_proj, k_proj, v_proj, o_proj: LatentLinear (or nn.Linear) projections; o_proj is stored under
+            ``output_name`` (the HF attribute name, e.g. ``out_proj`` for OPT).
+        n_heads, n_kv_heads, head_dim, layer_idx, scaling: geometry, cache slot and softmax scale.
+        attention_function: HF attention kernel ``f(module, q, k, v, mask, dropout=, scaling=, **kw)``
+            returning (out [b, n, heads, dv], weights); resolved per call by ``attention_resolver``.
+        rotary: module with forward(x, position_ids) -> (cos, sin) for RoPE models (None: absorbed path).
+        q_norm, k_norm: per-head norms applied before RoPE (Qwen3), or None.
+    """
+
+    def __init__(self, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module, *,
+                 n_heads: int, n_kv_heads: int, head_dim: int, layer_idx: int, scaling: float,
+                 attention_resolver: Callable[[], Callable], rotary: nn.Module | None = None,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, output_name: str = "o_proj"):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        for name, projection, rows in (("q_proj", q_proj, n_heads), ("k_proj", k_proj, n_kv_heads),
+                                       ("v_proj", v_proj, n_kv_heads)):
+            if projection.out_features != rows * head_dim:
+                raise ValueError(f"{name} has {projection.out_features} outputs, expected {rows}×{head_dim}")
+        self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
+        # The output projection keeps the family's attribute name (OPT: out_proj) so adapter paths still resolve.
+        self.output_name = output_name
+        setattr(self, output_name, o_proj)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.layer_idx, self.scaling = layer_idx, float(scaling)
+        self.rotary, self.q_norm, self.k_norm = rotary, q_norm, k_norm
+        self._attention_resolver = attention_resolver
+        self.absorbed = rotary is None and q_norm is None and k_norm is None
+
+    @property
+    def output_projection(self) -> nn.Module:
+        return getattr(self, self.output_name)
+
+    def cache_numbers_per_token(self) -> int:
+        """Cached numbers per token in this layer: r_k + r_v."""
+        return _latent_width(self.k_proj) + _latent_width(self.v_proj)
+
+    def _cached_latents(self, x: torch.Tensor, cache, positions: torch.Tensor | None):
+        z_k, z_v = _latent(self.k_proj, x), _latent(self.v_proj, x)  # [b, n, r_k], [b, n, r_v]
+        if cache is None:
+            return z_k, z_v, positions
+        return latent_cache_layer(cache, self.layer_idx).update_latent(z_k, z_v, positions)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                **kwargs):
+        kwargs.pop("past_key_values", None)
+        batch, length, _ = hidden_states.shape
+        query = self.q_proj(hidden_states).view(batch, length, self.n_heads, self.head_dim)  # [b, n, h, dh]
+        if self.absorbed:
+            return self._absorbed(hidden_states, query, attention_mask, cache, kwargs)
+        return self._rope(hidden_states, query, position_embeddings, attention_mask, cache, kwargs)
+
+    def _kernel(self, groups: int):
+        return _HeadsView(groups, self.training), self._attention_resolver()
+
+    def _rope(self, x, query, position_embeddings, attention_mask, cache, kwargs):
+        batch, length = x.shape[:2]
+        positions = kwargs.get("position_ids")
+        if positions is None and cache is not None and self.rotary is not None:
+            past = cache.get_seq_length(self.layer_idx) if hasattr(cache, "get_seq_length") else 0
+            positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
+        z_k, z_v, cached_positions = self._cached_latents(x, cache, positions)
+        B_k, b_k = _decompression(self.k_proj)
+        B_v, b_v = _decompression(self.v_proj)
+        total = z_k.shape[1]
+        key = F.linear(z_k, B_k, b_k).view(batch, total, self.n_kv_heads, self.head_dim)  # [b, N, g, dh]
+        value = F.linear(z_v, B_v, b_v).view(batch, total, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query = self.q_norm(query)
+        if self.k_norm is not None:
+            key = self.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if self.rotary is not None:
+            cos, sin = position_embeddings
+            query = rotate_half_rope(query, cos, sin)
+            if cache is not None:  # cached keys need the rotations of their own positions
+                cos, sin = self.rotary(value, cached_positions)
+            key = rotate_half_rope(key, cos, sin)
+        view, kernel = self._kernel(self.n_heads // self.n_kv_heads)
+        out, weights = kernel(view, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.output_projection(out.reshape(batch, length, -1)), weights
+
+    def _absorbed(self, x, query, attention_mask, cache, kwargs):
+        batch, length = x.shape[:2]
+        z_k, z_v, _ = self._cached_latents(x, cache, None)
+        B_k, _ = _decompression(self.k_proj)  # the key bias only shifts every score of a query equally
+        B_v, b_v = _decompression(self.v_proj)
+        group = self.n_heads // self.n_kv_heads
+        key_heads = B_k.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r_k]
+        value_heads = B_v.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r_v]
+        latent_query = torch.einsum("bnhd,hdr->bhnr", query, key_heads)  # [b, h, n, r_k]
+        view, kernel = self._kernel(self.n_heads)  # one shared latent key/value "head"
+        mixed, weights = kernel(view, latent_query, z_k.unsqueeze(1), z_v.unsqueeze(1), attention_mask,
+                                dropout=0.0, scaling=self.scaling, **kwargs)  # [b, n, h, r_v]
+        heads = torch.einsum("bnhr,hdr->bnhd", mixed, value_heads)  # [b, n, h, dh]
+        if b_v is not None:
+            heads = heads + b_v.view(self.n_kv_heads, self.head_dim).repeat_interleave(group, 0)
+        return self.output_projection(heads.reshape(batch, length, -1)), weights
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"layer_idx={self.layer_idx}, cache_numbers_per_token={self.cache_numbers_per_token()}, "
+                f"absorbed={self.absorbed}")

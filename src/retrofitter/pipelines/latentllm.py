@@ -1,0 +1,362 @@
+"""LatentLLM compression pipeline (design.md §3): joint decompositions inside the sequential pipeline.
+
+Per decoder layer l (statistics from the already compressed layers < l, or from the original model
+with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for ablations:
+
+ 1. pass over the stream → C = E[x xᵀ] of the attention input x;
+    q/k: joint QK (``joint_qk``): Tucker-2 of the whitened per-head score maps (JointQKSolver), shared
+         input factors A_q, A_k (junction) and per-head decompressions B_q, B_k; else local rootcov;
+    v/o: joint VO (``joint_vo``; A_v, B_v, B_o, A_o from C alone) or local rootcov (o on the moments of its
+         own input, re-collected with the compressed q/k/v: pass 2);
+ 2. pass → C of the MLP input (with the compressed attention): gate/up (fc1) local rootcov;
+ 3. down (fc2): ``joint_mlp`` streaming variant — a pass collecting E[h ĥᵀ], E[ĥ ĥᵀ] with h the original
+    and ĥ the compressed intermediate, then W* = W_d E[hĥᵀ]E[ĥĥᵀ]⁻¹ compressed with rootcov on E[ĥĥᵀ]
+    (``mlp_algorithm="auxiliary"``: the joint auxiliary-variable algorithm on a token subsample instead);
+    without ``joint_mlp``: local rootcov on E[ĥ ĥᵀ];
+ 4. advance the stream; checkpoint the layer (resumable, compress.py's checkpoint format).
+
+Biases (OPT, Qwen2 q/k/v): every fit uses centered statistics C0 = C − μμᵀ and the bias is compensated,
+b̂ = b + (W − BA)μ (for down: b̂ = b + W_d μ_h − Ŵ μ_ĥ). The joint QK/VO solvers have no bias terms:
+they run on the centered moments and each projection's bias is compensated afterwards (exact for the
+mean, the solvers' objectives then concern the fluctuations only). The auxiliary-variable MLP does not
+support biases and falls back to the streaming variant (logged).
+
+Ranks: uniform (each matrix keeps 1 − ratio of its parameters, compress.plan_ranks) or a global plan
+(pipelines/allocation.py). With ``latent_attention`` the attention modules are finally swapped for
+``LatentAttention`` (latent k/v cache, r_k + r_v numbers per token and layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..adapters import adapter_for
+from ..config import CompressConfig
+from ..linalg.joint_mlp import ACTIVATIONS, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
+from ..linalg.joint_qk import JointQKSolver
+from ..linalg.joint_vo import JointVOSolver
+from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped
+from ..linalg.svd import bias_compensation, proxy_error
+from ..modules.latent_linear import LatentLinear
+from .calibration import LayerStream, capture_stream, collect_input_moments
+from .compress import CalibrationError, _Checkpoint, _check_weights_finite, _fingerprint, _summary, _targets, plan_ranks
+
+__all__ = ["compress_latentllm", "mlp_intermediate"]
+
+log = logging.getLogger(__name__)
+
+
+def mlp_intermediate(kind: str, activation, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """h from the MLP input projections' outputs: gated act(gate)⊙up, plain act(fc1)."""
+    values = list(inputs.values())
+    return activation(values[0]) * values[1] if kind == "gated" else activation(values[0])
+
+
+def _entry(linear: nn.Module, replacement: LatentLinear, error: float, **extra) -> dict:
+    return {"rank": replacement.rank, "in": linear.in_features, "out": linear.out_features,
+            "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
+            "proxy_error": error, **extra}
+
+
+def _centered(accumulator: SecondMomentAccumulator, has_bias: bool) -> torch.Tensor:
+    return accumulator.covariance() if has_bias else accumulator.second_moment
+
+
+def _from_factors(linear: nn.Module, B, A, accumulator, config: CompressConfig) -> LatentLinear:
+    """LatentLinear from float64 factors; bias compensated with the input mean when the layer has a bias."""
+    has_bias = linear.bias is not None
+    bias = bias_compensation(linear.weight, B, A, linear.bias, accumulator.mean) if has_bias else None
+    return LatentLinear.from_factors(B, A, bias=bias, junction=config.junction, dtype=linear.weight.dtype,
+                                     device=linear.weight.device)
+
+
+class _LayerCompressor:
+    """Compresses one decoder layer in place; collects the report entries."""
+
+    def __init__(self, model, adapter, layer, index: int, stream: LayerStream, plan, config: CompressConfig,
+                 targets: list[str]):
+        self.adapter, self.layer, self.index, self.stream = adapter, layer, index, stream
+        self.plan, self.config, self.targets = plan, config, targets
+        self.layout = adapter.attention_layout(model)
+        self.entries: dict[str, dict] = {}
+        self.passes = 0
+        self.extra: dict = {}
+
+    # ---------------------------------------------------------------- helpers
+    def linear(self, name: str) -> nn.Module:
+        return self.adapter.get_linear(self.layer, name)
+
+    def moments(self, leader: str) -> SecondMomentAccumulator:
+        self.passes += 1
+        accumulator = collect_input_moments(self.layer, self.stream, {leader: self.linear(leader)})[leader]
+        accumulator.check_finite(f"layer {self.index} input of {leader!r} "
+                                 f"({self.adapter.linear_path_in_model(self.index, leader)})")
+        return accumulator
+
+    def local(self, name: str, accumulator: SecondMomentAccumulator) -> None:
+        linear = self.linear(name)
+        has_bias = linear.bias is not None
+        replacement = LatentLinear.from_linear(
+            linear, accumulator.second_moment, self.plan[(self.index, name)], preconditioner=self.config.preconditioner,
+            junction=self.config.junction, mean=accumulator.mean if has_bias else None, damping=self.config.damping,
+            name=self.adapter.linear_path_in_model(self.index, name))
+        self.replace(name, replacement, _centered(accumulator, has_bias), method="local")
+
+    def replace(self, name: str, replacement: LatentLinear, moment: torch.Tensor, **extra) -> None:
+        linear = self.linear(name)
+        error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(), moment)
+        self.entries[name] = _entry(linear, replacement, error, **extra)
+        self.adapter.set_linear(self.layer, name, replacement)
+
+    # ---------------------------------------------------------------- parts
+    def attention(self) -> None:
+        wanted = [n for n in ("q", "k", "v") if n in self.targets]
+        if not wanted and "o" not in self.targets:
+            return
+        accumulator = self.moments("q")
+        qk_joint = self.config.joint_qk and "q" in wanted and "k" in wanted
+        if qk_joint:
+            self.joint_qk(accumulator)
+        vo_joint = self.config.joint_vo and "v" in wanted and "o" in self.targets
+        if vo_joint:
+            self.joint_vo(accumulator)
+        for name in wanted:
+            if name not in self.entries:
+                self.local(name, accumulator)
+        if "o" in self.targets and "o" not in self.entries:
+            self.local("o", self.moments("o"))
+
+    def joint_qk(self, accumulator) -> None:
+        q, k, layout, config = self.linear("q"), self.linear("k"), self.layout, self.config
+        has_bias = q.bias is not None or k.bias is not None
+        moment = _centered(accumulator, has_bias)
+        solver = JointQKSolver(q.weight, k.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
+                               self.plan[(self.index, "q")], self.plan[(self.index, "k")],
+                               iterations=config.qk_iterations, damping=config.damping, name=f"layer {self.index}")
+        factors = solver.solve()
+        score_error = solver.score_error(factors.A_q, factors.B_q, factors.A_k, factors.B_k)
+        history = [float(v) for v in factors.objective_history]
+        self.extra["qk_score_error"] = score_error
+        self.extra["qk_objective"] = history
+        for name, linear, B, A in (("q", q, factors.B_q, factors.A_q), ("k", k, factors.B_k, factors.A_k)):
+            self.replace(name, _from_factors(linear, B, A, accumulator, config), moment, method="joint_qk",
+                         score_error=score_error)
+
+    def joint_vo(self, accumulator) -> None:
+        v, o, layout, config = self.linear("v"), self.linear("o"), self.layout, self.config
+        moment = _centered(accumulator, v.bias is not None)
+        solver = JointVOSolver(v.weight, o.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
+                               self.plan[(self.index, "v")], self.plan[(self.index, "o")],
+                               iterations=config.qk_iterations, damping=config.damping, name=f"layer {self.index}")
+        factors = solver.solve()
+        map_error = solver.map_error(factors.A_v, factors.B_v, factors.B_o, factors.A_o)
+        self.extra["vo_map_error"] = map_error
+        self.replace("v", _from_factors(v, factors.B_v, factors.A_v, accumulator, config), moment,
+                     method="joint_vo", map_error=map_error)
+        # o's input is the attention mix: its bias is compensated with the mix mean, measured after v is set.
+        o_accumulator = self.moments("o")
+        o_moment = _centered(o_accumulator, o.bias is not None)
+        self.replace("o", _from_factors(o, factors.B_o, factors.A_o, o_accumulator, config), o_moment,
+                     method="joint_vo", map_error=map_error)
+
+    def mlp(self) -> None:
+        inputs, (down_name,) = self.adapter.linear_groups[-2], self.adapter.linear_groups[-1]
+        wanted = [n for n in inputs if n in self.targets]
+        if wanted:
+            accumulator = self.moments(inputs[0])
+            if (self.config.joint_mlp and self.config.mlp_algorithm == "auxiliary" and down_name in self.targets
+                    and len(wanted) == len(inputs) and self._auxiliary(inputs, down_name)):
+                return
+            for name in wanted:
+                self.local(name, accumulator)
+        if down_name not in self.targets:
+            return
+        if self.config.joint_mlp:
+            self.streaming_down(inputs, down_name)
+        else:
+            self.local(down_name, self.moments(down_name))
+
+    def _original_inputs(self, names) -> dict[str, nn.Module]:
+        return {n: self.linear(n) for n in names}
+
+    def streaming_down(self, inputs, down_name: str) -> None:
+        """W* = W_d E[h ĥᵀ] E[ĥ ĥᵀ]⁻¹ (centered with a bias), rootcov-compressed on E[ĥ ĥᵀ]."""
+        down = self.linear(down_name)
+        originals = {n: self.originals[n] for n in inputs}
+        compressed = self._original_inputs(inputs)
+        activation = self.adapter.mlp_activation(self.layer)
+        width = down.in_features
+        device = down.weight.device
+        cross = CrossMomentAccumulator(width, width, device=device)
+        hat = SecondMomentAccumulator(width, device=device)
+        sums = {"h": torch.zeros(width, dtype=torch.float64, device=device)}
+
+        busy = []  # the hook calls the hooked module itself: guard against re-entry
+
+        def hook(_module, args, _output):
+            if busy:
+                return
+            busy.append(True)
+            x = args[0].detach()
+            h = mlp_intermediate(self.adapter.mlp_kind, activation, {n: m(x) for n, m in originals.items()})
+            h_hat = mlp_intermediate(self.adapter.mlp_kind, activation, {n: m(x) for n, m in compressed.items()})
+            cross.update(h, h_hat)
+            hat.update(h_hat)
+            sums["h"] += h.reshape(-1, width).to(torch.float64).sum(0)
+            busy.clear()
+
+        handle = compressed[inputs[0]].register_forward_hook(hook)
+        try:
+            self.passes += 1
+            for h, kw in zip(self.stream.hidden, self.stream.layer_kwargs):
+                self.layer(h, **kw)
+        finally:
+            handle.remove()
+        hat.check_finite(f"layer {self.index} compressed MLP intermediate")
+        has_bias = down.bias is not None
+        cross_moment, hat_moment = cross.cross_moment, hat.second_moment
+        mean_h = sums["h"] / hat.count
+        if has_bias:  # centered: Cov(h, ĥ), Cov(ĥ)
+            cross_moment = cross_moment - torch.outer(mean_h, hat.mean)
+            hat_moment = hat.covariance()
+        rank = self.plan[(self.index, down_name)]
+        B, A = fit_down_to_compressed(down.weight, cross_moment, hat_moment, rank, self.config.damping)
+        bias = None
+        if has_bias:
+            weight = down.weight.detach().to(torch.float64)
+            bias = down.bias.detach().to(weight) + weight @ mean_h - B @ (A @ hat.mean)
+        replacement = LatentLinear.from_factors(B, A, bias=bias, junction=self.config.junction,
+                                                dtype=down.weight.dtype, device=down.weight.device)
+        # Proxy: E‖W_d h − Ŵ ĥ‖² / E‖W_d h‖² from the moments (h's own second moment is not kept: use Ŵ vs W*).
+        target = torch.linalg.solve(damped(hat_moment, self.config.damping), cross_moment.T.to(hat_moment)).T
+        target = down.weight.detach().to(torch.float64) @ target
+        error = proxy_error(target, B, A, hat_moment)
+        self.entries[down_name] = _entry(down, replacement, error, method="joint_mlp_streaming")
+        self.adapter.set_linear(self.layer, down_name, replacement)
+
+    def _auxiliary(self, inputs, down_name: str) -> bool:
+        """Joint auxiliary-variable MLP on a token subsample; False (→ streaming) when unsupported."""
+        modules = [self.linear(n) for n in (*inputs, down_name)]
+        if any(m.bias is not None for m in modules):
+            log.info("layer %d: auxiliary-variable MLP has no bias support; using the streaming variant", self.index)
+            return False
+        activation_name = _activation_name(self.adapter.mlp_activation(self.layer))
+        if activation_name is None:
+            return False
+        rows: list[torch.Tensor] = []
+
+        def hook(_module, args, _output):
+            rows.append(args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64))
+
+        handle = modules[0].register_forward_hook(hook)
+        try:
+            self.passes += 1
+            for h, kw in zip(self.stream.hidden, self.stream.layer_kwargs):
+                self.layer(h, **kw)
+        finally:
+            handle.remove()
+        X = torch.cat(rows)
+        generator = torch.Generator().manual_seed(self.index)
+        keep = torch.randperm(X.shape[0], generator=generator)[: self.config.mlp_aux_tokens]
+        X = X[keep.to(X.device)].T  # [d, l]
+        ranks = [self.plan[(self.index, n)] for n in (*inputs, down_name)]
+        weights = [m.weight for m in modules]
+        if self.adapter.mlp_kind == "gated":
+            result = joint_gated_mlp(*weights, X, *ranks, activation=activation_name,
+                                     iterations=self.config.mlp_iterations, damping=self.config.damping)
+        else:
+            result = joint_mlp_relu(*weights, X, *ranks, iterations=self.config.mlp_iterations,
+                                    damping=self.config.damping)
+        roles = ("gate", "up", "down") if self.adapter.mlp_kind == "gated" else ("up", "down")
+        for role, name, module in zip(roles, (*inputs, down_name), modules):
+            B, A = result.factors[role]
+            replacement = LatentLinear.from_factors(B, A, junction=self.config.junction, dtype=module.weight.dtype,
+                                                    device=module.weight.device)
+            self.entries[name] = _entry(module, replacement, float(result.output_errors[result.best_iteration]),
+                                        method="joint_mlp_auxiliary", output_errors=result.output_errors)
+            self.adapter.set_linear(self.layer, name, replacement)
+        return True
+
+
+def _activation_name(activation) -> str | None:
+    """Name in joint_mlp.ACTIVATIONS of an HF activation module (by probing values)."""
+    probe = torch.linspace(-3, 3, 13, dtype=torch.float64)
+    for name, function in ACTIVATIONS.items():
+        try:
+            if torch.allclose(activation(probe), function(probe), atol=1e-6):
+                return name
+        except Exception:  # noqa: BLE001 — an exotic activation simply does not match
+            continue
+    return None
+
+
+@torch.no_grad()
+def compress_latentllm(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
+                       checkpoint_dir=None) -> tuple[nn.Module, dict]:
+    """Compress ``model`` in place with LatentLLM; returns ``(model, report)`` (keys of compress._summary + ``latentllm``)."""
+    start = time.perf_counter()
+    adapter = adapter_for(model)
+    layers = adapter.decoder_layers(model)
+    targets = _targets(adapter, config)
+    _check_weights_finite(model, adapter, targets)
+    if calibration.ndim != 2:
+        raise CalibrationError(f"calibration must be token blocks [n_blocks, seq_len], got shape {tuple(calibration.shape)}")
+    widest = max(adapter.get_linear(layers[0], n).in_features for n in targets)
+    if calibration.numel() < widest:
+        raise CalibrationError(f"calibration has {calibration.numel()} tokens, fewer than the widest projection input "
+                               f"({widest}); its statistics would be singular — give at least {widest} tokens")
+    model.eval()
+    timings = {"capture": 0.0, "allocation": 0.0, "layers": 0.0}
+    t0 = time.perf_counter()
+    stream = capture_stream(model, adapter, calibration, config.batch_size)
+    timings["capture"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    allocation_report = {}
+    if config.allocation == "global":
+        from .allocation import global_plan
+
+        plan, allocation_report = global_plan(model, adapter, config, stream, targets)
+    else:
+        plan = plan_ranks(model, config)
+    timings["allocation"] = time.perf_counter() - t0
+    checkpoint = _Checkpoint(checkpoint_dir, _fingerprint(model, config, calibration)) if checkpoint_dir else None
+    first_layer, layer_reports = 0, []
+    if checkpoint is not None:
+        first_layer, layer_reports = checkpoint.restore(model, adapter, stream, plan, config)
+    bar = tqdm(range(first_layer, len(layers)), desc=f"latentllm {config.ratio:g}", disable=not progress,
+               initial=first_layer, total=len(layers))
+    for index in bar:
+        layer = layers[index]
+        layer_start = time.perf_counter()
+        teacher_stream = stream.advance(layer) if config.statistics == "teacher" else None
+        worker = _LayerCompressor(model, adapter, layer, index, stream, plan, config, targets)
+        worker.originals = {n: adapter.get_linear(layer, n) for n in adapter.linear_names}
+        worker.attention()
+        worker.mlp()
+        stream = teacher_stream if teacher_stream is not None else stream.advance(layer)
+        seconds = time.perf_counter() - layer_start
+        layer_reports.append({"layer": index, "seconds": seconds, "matrices": worker.entries,
+                              "passes": worker.passes, **worker.extra})
+        mean_error = sum(e["proxy_error"] for e in worker.entries.values()) / max(1, len(worker.entries))
+        log.info("layer %d: mean proxy error %.4f, %d passes, %.1fs", index, mean_error, worker.passes, seconds)
+        bar.set_postfix(proxy=f"{mean_error:.3f}")
+        if checkpoint is not None:
+            checkpoint.save_layer(index, layer, stream, layer_reports)
+    bar.close()
+    timings["layers"] = time.perf_counter() - start - timings["capture"] - timings["allocation"]
+    if config.latent_attention and all(n in targets for n in ("k", "v")):
+        from ..adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
+
+        to_latent_attention(model)
+        allocation_report["cache_numbers_per_token"] = latent_cache_numbers_per_token(model)
+    timings["total"] = time.perf_counter() - start
+    report = _summary(model, adapter, config, plan, layer_reports, timings)
+    report["latentllm"] = {"ranks": {f"{i}.{n}": r for (i, n), r in sorted(plan.items())}, **allocation_report}
+    if checkpoint is not None:
+        checkpoint.finish()
+    return model, report

@@ -1,0 +1,358 @@
+"""LoLCATs linearization pipeline (design.md §4): swap attention, attention transfer, LoRA.
+
+1. ``swap``: every decoder layer's attention (except ``keep_softmax_layers``) becomes a
+   ``HybridSelfAttention`` (window softmax + linear attention over older keys) that reuses the
+   original projections.
+2. Stage 1, attention transfer: only feature maps and mixing weights train. For layer l with
+   teacher input x_l (the original model's hidden state, so errors do not accumulate):
+
+       L_l = 1000 · mean_{b,h,n,d} (y_student(x_l) − y_teacher(x_l))²     (outputs before o_proj)
+
+   Each layer's loss is backpropagated as soon as it is computed: the graph of one layer's
+   chunked hybrid attention is alive at a time, so memory is linear in the sequence length.
+   ``joint`` mode runs the teacher model once per batch (all layers learn together);
+   ``blockwise`` mode caches each layer's teacher inputs to disk once and trains layers one by one
+   (resumable via ``progress.json``; with several processes, layer l trains on rank l mod world).
+3. Stage 2: LoRA with next-token loss, merged into the weights (``pipelines.lora``).
+
+Loops run under ``accelerate``: data are sharded by process and gradients averaged (stage 1 keeps
+its per-layer backward, so it all-reduces gradients itself instead of wrapping the model in DDP).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..adapters.hybrid_attention import HybridSelfAttention, hybrid_attention_modules, swap_to_hybrid
+from ..config import LinearizeConfig
+
+__all__ = ["TRANSFER_LOSS_SCALE", "TransferRecorder", "swap_attention", "transfer_mse", "attention_transfer",
+           "linearize_model", "make_accelerator"]
+
+log = logging.getLogger(__name__)
+
+TRANSFER_LOSS_SCALE = 1000.0  # LoLCATs scales the attention-output MSE so Adam sees O(1) losses
+
+
+def make_accelerator(device: torch.device | str = "cpu"):
+    """An ``accelerate.Accelerator`` for ``device`` (CPU runs use gloo under ``accelerate launch --cpu``)."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=torch.device(device).type == "cpu")
+
+
+class TransferRecorder:
+    """Hook given to hybrid modules in transfer mode: per-layer MSE, optional immediate backward."""
+
+    def __init__(self, backward: bool):
+        self.backward = backward
+        self.sums: dict[int, float] = defaultdict(float)
+        self.counts: dict[int, int] = defaultdict(int)
+
+    def __call__(self, layer_idx: int, student: torch.Tensor, teacher: torch.Tensor) -> None:
+        mse = F.mse_loss(student.float(), teacher.float())
+        if self.backward:
+            (TRANSFER_LOSS_SCALE * mse).backward()
+        self.sums[layer_idx] += float(mse.detach())
+        self.counts[layer_idx] += 1
+
+    def means(self) -> dict[int, float]:
+        return {layer: self.sums[layer] / self.counts[layer] for layer in sorted(self.sums)}
+
+
+class _TransferMode:
+    """Context: hybrid modules return teacher outputs and report (student, teacher) to ``recorder``."""
+
+    def __init__(self, modules, recorder):
+        self.modules, self.recorder = list(modules), recorder
+
+    def __enter__(self):
+        for module in self.modules:
+            module.transfer_hook = self.recorder
+
+    def __exit__(self, *exc):
+        for module in self.modules:
+            module.transfer_hook = None
+
+
+def swap_attention(model: nn.Module, config: LinearizeConfig) -> list[int]:
+    """Replace attention modules in place with hybrid ones; returns the replaced layer indices."""
+    return swap_to_hybrid(model, config.hybrid_settings(), config.keep_softmax_layers)
+
+
+def _trainable_transfer_parameters(modules) -> list[nn.Parameter]:
+    return [p for module in modules for p in module.hybrid.trainable_parameters()]
+
+
+def _freeze_all_but(model: nn.Module, parameters) -> None:
+    keep = {id(p) for p in parameters}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def _shard(blocks: torch.Tensor, accelerator) -> torch.Tensor:
+    """This process's share of the blocks (every process gets the same number of steps)."""
+    world = accelerator.num_processes
+    usable = (blocks.shape[0] // world) * world or blocks.shape[0]
+    return blocks[:usable][accelerator.process_index::world]
+
+
+def _average_gradients(parameters, accelerator) -> None:
+    if accelerator.num_processes == 1:
+        return
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.copy_(accelerator.reduce(p.grad, reduction="mean"))
+
+
+@torch.no_grad()
+def transfer_mse(model: nn.Module, blocks: torch.Tensor, batch_size: int = 1) -> dict[int, float]:
+    """Per-layer attention-output MSE (student vs teacher on teacher inputs) over ``blocks`` [N, n]."""
+    modules = hybrid_attention_modules(model).values()
+    recorder = TransferRecorder(backward=False)
+    device = next(model.parameters()).device
+    with _TransferMode(modules, recorder):
+        for start in range(0, blocks.shape[0], batch_size):
+            model(input_ids=blocks[start:start + batch_size].to(device), use_cache=False)
+    return recorder.means()
+
+
+def _joint_transfer(model, blocks, config, accelerator, progress) -> dict:
+    """All layers at once: one teacher forward per batch, per-layer backward inside it."""
+    modules = list(hybrid_attention_modules(model).values())
+    parameters = _trainable_transfer_parameters(modules)
+    _freeze_all_but(model, parameters)
+    optimizer = torch.optim.Adam(parameters, lr=config.transfer_lr)
+    device = accelerator.device
+    local = _shard(blocks, accelerator)
+    history: dict[int, list[float]] = defaultdict(list)
+    steps = range(0, local.shape[0], config.batch_size)
+    for epoch in range(config.transfer_epochs):
+        for start in tqdm(steps, desc=f"attention transfer (epoch {epoch + 1})", disable=not progress, leave=False):
+            recorder = TransferRecorder(backward=True)
+            with torch.no_grad(), _TransferMode(modules, recorder):
+                model(input_ids=local[start:start + config.batch_size].to(device), use_cache=False)
+            _average_gradients(parameters, accelerator)
+            if config.grad_clip:
+                torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for layer, mse in recorder.means().items():
+                history[layer].append(mse)
+    return {"mode": "joint", "steps": len(steps) * config.transfer_epochs, "train_mse_history": dict(history)}
+
+
+# ---- block-wise mode ----------------------------------------------------------------------------
+def _progress_path(work_dir: Path) -> Path:
+    return work_dir / "progress.json"
+
+
+def _read_progress(work_dir: Path, fingerprint: dict) -> dict:
+    path = _progress_path(work_dir)
+    if not path.exists():
+        return {"fingerprint": fingerprint, "captured": False, "done_layers": {}}
+    progress = json.loads(path.read_text())
+    if progress.get("fingerprint") != fingerprint:
+        raise ValueError(f"{work_dir} holds block-wise transfer state of a different run ({progress.get('fingerprint')}); "
+                         f"use another work directory or delete it")
+    return progress
+
+
+def _write_progress(work_dir: Path, progress: dict) -> None:
+    tmp = _progress_path(work_dir).with_suffix(".tmp")
+    tmp.write_text(json.dumps(progress, indent=2, sort_keys=True))
+    tmp.replace(_progress_path(work_dir))
+
+
+@torch.no_grad()
+def _capture_layer_inputs(model, modules, blocks, batch_size, work_dir: Path, progress: bool) -> int:
+    """Teacher pass: write every hybrid layer's attention input per batch to ``inputs/L{l}/B{i}``."""
+    device = next(model.parameters()).device
+    batch_index = {"value": 0}
+    rotary: dict = {}
+
+    def grab(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        layer_dir = work_dir / "inputs" / f"layer_{module.layer_idx:03d}"
+        layer_dir.mkdir(parents=True, exist_ok=True)
+        save_file({"hidden": hidden.contiguous()}, layer_dir / f"batch_{batch_index['value']:05d}.safetensors")
+        if "cos" not in rotary:
+            cos, sin = kwargs["position_embeddings"]
+            rotary.update(cos=cos.contiguous(), sin=sin.contiguous())
+
+    handles = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in modules]
+    for m in modules:
+        m.mode = "softmax"  # the teacher: later layers see original-model inputs
+    try:
+        steps = range(0, blocks.shape[0], batch_size)
+        for index, start in enumerate(tqdm(steps, desc="caching teacher inputs", disable=not progress, leave=False)):
+            batch_index["value"] = index
+            model(input_ids=blocks[start:start + batch_size].to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m in modules:
+            m.mode = "hybrid"
+    save_file(rotary, work_dir / "inputs" / "rotary.safetensors")
+    return len(steps)
+
+
+def _train_one_layer(module: HybridSelfAttention, work_dir: Path, n_batches: int, config, accelerator,
+                     shard_batches: bool) -> list[float]:
+    """Train one layer's feature maps + mixing weights on its cached teacher inputs; MSE per epoch."""
+    device = accelerator.device
+    rotary = load_file(work_dir / "inputs" / "rotary.safetensors", device=str(device))
+    position_embeddings = (rotary["cos"], rotary["sin"])
+    parameters = module.hybrid.trainable_parameters()
+    optimizer = torch.optim.Adam(parameters, lr=config.transfer_lr)
+    layer_dir = work_dir / "inputs" / f"layer_{module.layer_idx:03d}"
+    batches = list(range(n_batches))
+    if shard_batches:
+        batches = batches[accelerator.process_index::accelerator.num_processes]
+    epoch_mse = []
+    for _ in range(config.transfer_epochs):
+        total = 0.0
+        for index in batches:
+            hidden = load_file(layer_dir / f"batch_{index:05d}.safetensors", device=str(device))["hidden"]
+            with torch.no_grad():
+                q, k, v = module.project(hidden, position_embeddings)
+                teacher = module.softmax_attention(q, k, v, None)
+            student, _ = module.hybrid(q, k, v)
+            mse = F.mse_loss(student.float(), teacher.float())
+            (TRANSFER_LOSS_SCALE * mse).backward()
+            if shard_batches:
+                _average_gradients(parameters, accelerator)
+            if config.grad_clip:
+                torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            total += float(mse.detach())
+        epoch_mse.append(total / max(len(batches), 1))
+    return epoch_mse
+
+
+def _blockwise_transfer(model, blocks, config, accelerator, progress, work_dir: Path) -> dict:
+    """Cache teacher inputs per layer once, then train layers one by one; resumable."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    modules = hybrid_attention_modules(model)
+    _freeze_all_but(model, _trainable_transfer_parameters(modules.values()))
+    transfer_fields = {k: v for k, v in config.to_dict().items() if not k.startswith("lora")}
+    fingerprint = {"blocks": list(blocks.shape), "block_checksum": int(blocks.sum()), "config": transfer_fields,
+                   "layers": sorted(modules)}
+    fingerprint = json.loads(json.dumps(fingerprint))  # as it reads back from progress.json
+    progress_state = _read_progress(work_dir, fingerprint)
+    if not progress_state["captured"]:
+        if accelerator.is_main_process:
+            n_batches = _capture_layer_inputs(model, modules.values(), blocks, config.batch_size, work_dir, progress)
+            progress_state.update(captured=True, n_batches=n_batches)
+            _write_progress(work_dir, progress_state)
+        accelerator.wait_for_everyone()
+        progress_state = _read_progress(work_dir, fingerprint)
+    else:
+        log.info("block-wise transfer: teacher inputs already cached in %s", work_dir)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    # Layers are independent: one per process when there are several (no gradient exchange needed).
+    params_dir = work_dir / "params"
+    params_dir.mkdir(exist_ok=True)
+    todo = [layer for layer in sorted(modules) if str(layer) not in progress_state["done_layers"]]
+    for layer in tqdm(todo, desc="block-wise transfer", disable=not progress, leave=False):
+        if world > 1 and layer % world != rank:
+            continue
+        module = modules[layer]
+        epoch_mse = _train_one_layer(module, work_dir, progress_state["n_batches"], config, accelerator,
+                                     shard_batches=False)
+        save_file({k: v.detach().contiguous() for k, v in module.hybrid.state_dict().items()},
+                  params_dir / f"layer_{layer:03d}.safetensors")
+        if world == 1:
+            progress_state["done_layers"][str(layer)] = epoch_mse
+            _write_progress(work_dir, progress_state)
+        else:
+            (params_dir / f"layer_{layer:03d}.json").write_text(json.dumps(epoch_mse))
+        log.info("transfer layer %d: mse per epoch %s", layer, epoch_mse)
+    accelerator.wait_for_everyone()
+    if world > 1 and accelerator.is_main_process:
+        for layer in todo:
+            progress_state["done_layers"][str(layer)] = json.loads((params_dir / f"layer_{layer:03d}.json").read_text())
+        _write_progress(work_dir, progress_state)
+    accelerator.wait_for_everyone()
+    progress_state = _read_progress(work_dir, fingerprint)
+    for layer, module in modules.items():  # done earlier, by another process, or just now: load the same bytes
+        module.hybrid.load_state_dict(load_file(params_dir / f"layer_{layer:03d}.safetensors",
+                                                device=str(next(module.hybrid.parameters()).device)))
+    return {"mode": "blockwise", "work_dir": str(work_dir), "resumed_layers": sorted(set(map(int, modules)) - set(todo)),
+            "train_mse_history": {int(k): v for k, v in progress_state["done_layers"].items()}}
+
+
+def attention_transfer(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfig, accelerator=None,
+                       progress: bool = True, work_dir=None, mse_blocks: int = 2) -> dict:
+    """Stage 1 on token ``blocks`` [N, seq_len]; returns per-layer MSE before/after and the history.
+
+    ``work_dir`` is required for ``transfer_mode="blockwise"`` (teacher inputs + progress file).
+    """
+    accelerator = accelerator or make_accelerator(next(model.parameters()).device)
+    modules = hybrid_attention_modules(model)
+    if not modules:
+        raise ValueError("the model has no hybrid attention layers; call swap_attention first")
+    was_training = model.training
+    model.eval()  # no dropout: the transfer target must be deterministic
+    probe = blocks[:mse_blocks]
+    before = transfer_mse(model, probe, config.batch_size)
+    start = time.perf_counter()
+    if config.transfer_mode == "blockwise":
+        if work_dir is None:
+            raise ValueError("transfer_mode='blockwise' needs a work_dir for the cached teacher inputs")
+        details = _blockwise_transfer(model, blocks, config, accelerator, progress, work_dir)
+    else:
+        details = _joint_transfer(model, blocks, config, accelerator, progress)
+    seconds = time.perf_counter() - start
+    after = transfer_mse(model, probe, config.batch_size)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.train(was_training)
+    layers = {layer: {"mse_before": before[layer], "mse_after": after[layer]} for layer in sorted(before)}
+    return {**details, "seconds": seconds, "tokens": int(blocks.numel()), "probe_blocks": int(probe.shape[0]),
+            "layers": layers, "gamma": {layer: m.hybrid.gamma.detach().cpu().tolist() for layer, m in modules.items()}}
+
+
+def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: torch.Tensor | None,
+                    lora_blocks: torch.Tensor | None, accelerator=None, progress: bool = True, work_dir=None,
+                    on_stage=None) -> tuple[nn.Module, dict]:
+    """Swap + stage 1 + stage 2 in place. ``on_stage(name, model)`` is called after each stage
+    (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. Returns ``(model, report)``."""
+    from .lora import lora_finetune
+
+    accelerator = accelerator or make_accelerator(next(model.parameters()).device)
+    torch.manual_seed(config.seed)
+    timings: dict = {}
+    start = time.perf_counter()
+    replaced = swap_attention(model, config)
+    timings["swap"] = time.perf_counter() - start
+    report: dict = {"replaced_layers": replaced, "kept_softmax_layers": sorted(config.keep_softmax_layers)}
+    if on_stage:
+        on_stage("swap", model)
+    if transfer_blocks is not None and config.transfer_tokens > 0:
+        report["transfer"] = attention_transfer(model, transfer_blocks, config, accelerator, progress, work_dir)
+        timings["transfer"] = report["transfer"]["seconds"]
+        if on_stage:
+            on_stage("transfer", model)
+    if lora_blocks is not None and config.lora_tokens > 0:
+        model, report["lora"] = lora_finetune(model, lora_blocks, config, accelerator, progress)
+        timings["lora"] = report["lora"]["seconds"]
+        if on_stage:
+            on_stage("lora", model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    report["timings_s"] = timings
+    return model, report

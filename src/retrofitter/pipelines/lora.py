@@ -1,0 +1,92 @@
+"""Stage 2 of LoLCATs: LoRA on the attention projections with next-token loss, then merge.
+
+For every attention projection W ∈ {W_q, W_k, W_v, W_o} of every layer (PEFT):
+
+    W' = W + (α / r) · B A,   A ∈ R^{r×d_in} (random), B ∈ R^{d_out×r} (zeros at start)
+
+trained on  L = −(1/T) Σ_t log p(u_{t+1} | u_{≤t})  over token blocks [N, seq_len]; everything else
+(including the feature maps from stage 1) is frozen. ``merge_and_unload`` folds BA into W, so the
+result has exactly the original parameter layout. The loop runs under ``accelerate``
+(``accelerator.prepare`` wraps the model in DDP when several processes run; gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..adapters import adapter_for
+from ..config import LinearizeConfig
+
+__all__ = ["LORA_TARGETS", "lora_target_module_names", "lora_finetune"]
+
+LORA_TARGETS = ("q", "k", "v", "o")  # adapter names of the projections LoLCATs adapts
+
+
+def lora_target_module_names(model: nn.Module) -> list[str]:
+    """PEFT ``target_modules`` (attribute names, e.g. ``q_proj`` … ``o_proj``) from the model's adapter."""
+    adapter = adapter_for(model)
+    return sorted({adapter.linear_paths[name].rpartition(".")[2] for name in LORA_TARGETS})
+
+
+def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfig, accelerator=None,
+                  progress: bool = True) -> tuple[nn.Module, dict]:
+    """Train LoRA adapters on ``blocks`` [N, seq_len] and merge them; returns ``(merged_model, report)``.
+
+    Each process sees its shard of the blocks (``accelerator.prepare`` of the data loader); the
+    merged weights are identical on every process because DDP averages the LoRA gradients.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from .linearize import make_accelerator
+
+    if blocks.ndim != 2 or blocks.shape[1] < 2:
+        raise ValueError(f"LoRA blocks must be [N, seq_len >= 2]; got {tuple(blocks.shape)}")
+    accelerator = accelerator or make_accelerator(next(model.parameters()).device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                             target_modules=lora_target_module_names(model), bias="none")
+    # PEFT seeds A from the global generator: seed it so every process starts from the same adapters.
+    torch.manual_seed(config.seed)
+    peft_model = get_peft_model(model, lora_config)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=config.lora_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(config.seed)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(blocks), batch_size=config.batch_size,
+                                         shuffle=True, generator=generator)
+    peft_model, optimizer, loader = accelerator.prepare(peft_model, optimizer, loader)
+    peft_model.train()
+    losses = []
+    start = time.perf_counter()
+    for (ids,) in tqdm(loader, desc="LoRA", disable=not progress, leave=False):
+        output = peft_model(input_ids=ids, labels=ids, use_cache=False)
+        accelerator.backward(output.loss)
+        if config.grad_clip:
+            accelerator.clip_grad_norm_(trainable, config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(output.loss.detach()))
+    seconds = time.perf_counter() - start
+    merged = accelerator.unwrap_model(peft_model).merge_and_unload()
+    merged.eval()
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    window = max(1, len(losses) // 4)
+    report = {
+        "seconds": seconds,
+        "steps": len(losses),
+        "tokens_per_process": int(len(losses) * config.batch_size * blocks.shape[1]),
+        "processes": accelerator.num_processes,
+        "trainable_parameters": n_trainable,
+        "targets": lora_config.target_modules if isinstance(lora_config.target_modules, list)
+        else sorted(lora_config.target_modules),
+        "loss_first": sum(losses[:window]) / window if losses else None,
+        "loss_last": sum(losses[-window:]) / window if losses else None,
+        "loss_history": losses,
+    }
+    return merged, report

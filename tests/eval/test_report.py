@@ -1,0 +1,114 @@
+"""report.md + PNG plots from synthetic results/bench JSONs, and the ``report`` CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retrofitter.api import write_json
+from retrofitter.cli import main
+from retrofitter.eval.report import collect_runs, format_cost_table, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _result(method, ratio, ppl_wiki, ppl_austen, total, cost=False):
+    result = {"model": "smollm2-135m", "method": method, "ratio": ratio,
+              "ppl": {"wiki-eval": ppl_wiki, "austen-eval": ppl_austen},
+              "params": {"total": total, "linear": total - 28_000_000, "embedding": 28_000_000},
+              "kv_bytes_per_token": 46080, "settings": {"seq_len": 512, "threads": 2},
+              "timings_s": {"eval_wiki-eval": 12.5}, "peak_rss_mb": 900.0}
+    if cost:
+        result["timings_s"].update({"compress": 300.0, "calibration_forward": 20.0})
+        result["cost"] = {"peak_rss_over_fp32_model": 2.5, "compress_over_calibration_forward": 15.0}
+        result["compress_peak_rss_mb"] = 1290.0
+        result["reduction"] = {"linear": ratio, "total": ratio * 0.8}
+    return result
+
+
+def _bench():
+    def summary(median):
+        return {"median": median, "min": median * 0.9, "max": median * 1.1, "samples": [median], "warmup": [median]}
+
+    def entry(label, tok_s, kv):
+        return {"label": label, "model": label, "params": {"total": 134_515_008}, "kv_bytes_per_token": kv,
+                "skipped": {"4096": "context 4096 + 33 new tokens exceeds max_position_embeddings 2048"},
+                "prefill": {"tokens": 512, "latency_s": summary(0.8)},
+                "decode": {str(n): {"context": n, "decode_tokens": 32, "tokens_per_s": summary(tok_s / (1 + n / 2048)),
+                                    "cache_bytes": n * kv, "cache_bytes_per_token": kv} for n in (256, 1024)},
+                "peak_memory_mb": {"prefill": 60.0, "decode_256": 12.0},
+                "ratios": {"prefill_latency": 1.0, "kv_bytes_per_token": kv / 46080, "params_total": 1.0,
+                           "decode_tokens_per_s": {"256": 1.0, "1024": 1.0}, "cache_bytes": {"256": 1.0, "1024": 1.0}}}
+
+    return {"kind": "bench", "settings": {"prefill_len": 512, "contexts": [256, 1024, 4096], "decode_tokens": 32,
+                                          "repeats": 3, "warmup": 1, "dtype": "float32",
+                                          "memory_measure": "rss_delta_sampled"},
+            "machine": {"date": "2026-01-01T00:00:00+00:00", "cpu": "Test CPU", "torch_threads": 2,
+                        "torch": "2.13.0", "transformers": "5.24.0"},
+            "models": [entry("original", 40.0, 46080), entry("asvd-0.3", 45.0, 30720)]}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run"
+    write_json(_result("original", None, 25.0, 30.0, 134_515_008), run / "original.json")
+    for ratio, wiki in ((0.1, 27.0), (0.3, 40.0), (0.5, 120.0)):
+        write_json(_result("asvd-rootcov", ratio, wiki, wiki * 1.2, int(134e6 * (1 - ratio * 0.8)), cost=True),
+                   run / f"asvd-{ratio}.json")
+    for ratio, wiki in ((0.3, 35.0), (0.5, 80.0)):
+        write_json(_result("joint", ratio, wiki, wiki * 1.1, int(134e6 * (1 - ratio * 0.8))), run / f"joint-{ratio}.json")
+    write_json(_bench(), run / "bench.json")
+    (run / "config.json").write_text(json.dumps({"model_type": "llama"}))  # e.g. a saved model's config: skipped
+    (run / "broken.json").write_text("{not json")
+    return run
+
+
+def test_collect_runs_tells_results_bench_and_other_files_apart(run_dir):
+    data = collect_runs([run_dir])
+    assert len(data.results) == 6
+    assert len(data.benches) == 1 and data.benches[0]["_source"] == "bench"
+    assert sorted(s.split(":")[0].rsplit("/", 1)[-1] for s in data.skipped) == ["broken.json", "config.json"]
+
+
+def test_missing_run_dir_and_empty_dir_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        collect_runs([tmp_path / "nowhere"])
+    with pytest.raises(ValueError, match="no results or bench JSON"):
+        write_report([tmp_path])
+
+
+def test_report_writes_markdown_with_tables_and_all_plots(run_dir, tmp_path):
+    out = tmp_path / "report"
+    report = write_report([run_dir], out)
+    text = report.read_text()
+    for name in ("ppl_vs_ratio", "ppl_vs_params", "decode_speed", "cache_bytes"):
+        png = out / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+        assert f"](plots/{name}.png)" in text
+    assert "| ppl austen-eval | ppl wiki-eval |" in text  # the shared results table (write_json sorts keys)
+    assert "| asvd-0.3 | decode tok/s @ 1024 |" in text  # the bench table, contexts in numeric order:
+    assert text.index("| original | decode tok/s @ 256 |") < text.index("| original | decode tok/s @ 1024 |")
+    assert "skipped 4096" in text
+    assert "15.0×" in text and "2.50×" in text  # compression cost figures
+    assert "Test CPU" in text and "Generated " in text
+    assert "config.json: neither a results nor a bench JSON" in text
+
+
+def test_cost_table_only_lists_results_with_cost():
+    table = format_cost_table([_result("original", None, 25.0, 30.0, 1), _result("asvd", 0.3, 30.0, 33.0, 1, cost=True)])
+    assert len(table.splitlines()) == 3 and "300.0" in table and "20.0" in table
+
+
+def test_report_without_bench_writes_only_quality_plots(tmp_path):
+    write_json(_result("original", None, 25.0, 30.0, 100), tmp_path / "a.json")
+    write_json(_result("asvd", 0.3, 30.0, 33.0, 80), tmp_path / "b.json")
+    write_report([tmp_path], tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "plots").iterdir()) == ["ppl_vs_params.png", "ppl_vs_ratio.png"]
+
+
+def test_report_cli(run_dir, tmp_path, capsys):
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "report.md").is_file()
+    assert "report.md" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "missing")]) == 2

@@ -1,0 +1,99 @@
+"""CLI smoke tests on a tiny local model directory and a local text corpus (no download)."""
+
+import json
+
+import pytest
+import torch
+
+import retrofitter
+from retrofitter.cli import main
+from retrofitter.modules.latent_linear import LatentLinear
+from tiny_models import SAMPLE_TEXT, save_tiny_model_dir
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "tiny", "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SAMPLE_TEXT * 3)
+    return tmp_path, model_dir, corpus
+
+
+def test_eval_writes_contract_json(workspace, capsys):
+    tmp, model_dir, corpus = workspace
+    assert main(["eval", str(model_dir), "--ppl", str(corpus), "--seq-len", "32", "--json", str(tmp / "e.json"),
+                 "--quiet"]) == 0
+    data = json.loads((tmp / "e.json").read_text())
+    for key in ("model", "method", "ratio", "ppl", "params", "kv_bytes_per_token", "settings", "timings_s", "peak_rss_mb"):
+        assert key in data
+    assert set(data["params"]) == {"total", "linear", "embedding"}
+    assert data["ppl"][str(corpus)] > 1
+    assert "ppl" in capsys.readouterr().out
+
+
+def test_compress_save_load_eval_round_trip(workspace):
+    tmp, model_dir, corpus = workspace
+    out = tmp / "compressed"
+    args = ["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
+            "--seq-len", "32", "--eval", str(corpus), "--out", str(out), "--json", str(tmp / "c.json"), "--quiet",
+            "--measure-cost"]
+    assert main(args) == 0
+    data = json.loads((tmp / "c.json").read_text())
+    assert data["method"] == "asvd-rootcov" and data["ratio"] == 0.3
+    assert data["reduction"]["linear"] >= 0.3
+    assert data["cost"]["compress_over_calibration_forward"] > 0
+    assert (out / "retrofitter.json").exists() and (out / "model.safetensors").exists()
+    assert not list(out.glob("*.bin")) and not list(out.glob("*.pt"))
+
+    model, tokenizer = retrofitter.load(out)
+    assert any(isinstance(m, LatentLinear) for m in model.modules())
+    # the saved directory evaluates to the same perplexity as the in-process result
+    assert main(["eval", str(out), "--ppl", str(corpus), "--seq-len", "32", "--json", str(tmp / "e.json"), "--quiet"]) == 0
+    again = json.loads((tmp / "e.json").read_text())
+    assert again["ppl"][str(corpus)] == pytest.approx(data["ppl"][str(corpus)], rel=1e-5)
+    assert again["params"] == data["params"]
+    assert again["method"] == "asvd-rootcov"
+
+    # an existing output is refused without --overwrite, and left untouched
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(args) == 2
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_compressed_directory_is_smaller_on_disk(workspace):
+    tmp, model_dir, corpus = workspace
+    out = tmp / "small"
+    assert main(["compress", str(model_dir), "--ratio", "0.5", "--calib", str(corpus), "--calib-samples", "4",
+                 "--seq-len", "32", "--out", str(out), "--no-eval", "--quiet"]) == 0
+    assert (out / "model.safetensors").stat().st_size < (model_dir / "model.safetensors").stat().st_size
+
+
+def test_saved_model_generates(workspace):
+    tmp, model_dir, corpus = workspace
+    out = tmp / "gen"
+    assert main(["compress", str(model_dir), "--ratio", "0.2", "--calib", str(corpus), "--calib-samples", "4",
+                 "--seq-len", "32", "--out", str(out), "--no-eval", "--quiet"]) == 0
+    model, tokenizer = retrofitter.load(out)
+    ids = tokenizer("a truth", return_tensors="pt").input_ids
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == ids.shape[1] + 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compress", "MODEL", "--ratio", "1.5", "--out", "X"], "ratio must lie in (0, 1)"),
+    (["eval", "/nonexistent/dir/model", "--ppl", "wiki-eval"], "error"),
+])
+def test_bad_input_gives_one_clear_line(argv, message, workspace, capsys):
+    tmp, model_dir, corpus = workspace
+    argv = [str(model_dir) if a == "MODEL" else str(tmp / "x") if a == "X" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_too_few_calibration_blocks_is_a_clear_error(workspace, capsys):
+    tmp, model_dir, corpus = workspace
+    assert main(["compress", str(model_dir), "--ratio", "0.2", "--calib", str(corpus), "--calib-samples", "500",
+                 "--seq-len", "32", "--out", str(tmp / "o"), "--no-eval", "--quiet"]) == 2
+    assert "--calib-samples asks for 500" in capsys.readouterr().err
+    assert not (tmp / "o").exists()
