@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--no-eval", action="store_true", help="skip evaluation of the result")
     _add_common(compress)
     _add_linearize_parser(commands)
+    demo = commands.add_parser("demo", help="the main job on the default model: fetch, compress, eval, bench, report")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"))
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--methods", default="asvd-rootcov,latentllm", help="comma-separated compress methods")
+    demo.add_argument("--ratios", default="0.1,0.2,0.3")
+    demo.add_argument("--max-eval-tokens", type=int, default=8192, help="evaluation tokens per corpus")
+    demo.add_argument("--calib-samples", type=int, default=64)
+    demo.add_argument("--no-bench", action="store_true")
+    demo.add_argument("--quiet", action="store_true")
     return parser
 
 
@@ -360,7 +369,16 @@ def cmd_linearize(args) -> int:
     return 0
 
 
-COMMANDS = {"linearize": cmd_linearize, "fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "bench": cmd_bench, "report": cmd_report}
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(out=args.out, model_name=args.model, methods=tuple(m for m in args.methods.split(",") if m),
+             ratios=tuple(float(r) for r in args.ratios.split(",")), max_eval_tokens=args.max_eval_tokens,
+             calib_samples=args.calib_samples, bench=not args.no_bench, progress=not args.quiet)
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "linearize": cmd_linearize, "fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv=None) -> int:

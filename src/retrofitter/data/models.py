@@ -111,8 +111,9 @@ def convert_gguf_to_hf(gguf_path: Path, output_dir: Path, alias: str, package: s
     # The GGUF tokenizer has no length limit (1e30); the model's context length is the honest one.
     tokenizer.model_max_length = config.max_position_embeddings
     output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    with _transformers_progress(progress):
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
     return {"parameters": sum(parameter.numel() for parameter in model.parameters()),
             "dtype": "float32", "architecture": type(model).__name__,
             "config": {key: getattr(config, key, None) for key in (

@@ -36,8 +36,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-__all__ = ["bench_models", "bench_notes", "bench_rows", "cache_nbytes", "format_bench_table", "format_bytes", "machine_info",
-           "unique_labels"]
+__all__ = ["bench_models", "bench_notes", "bench_rows", "cache_nbytes", "format_bench_table", "format_bytes",
+           "machine_info", "unique_labels"]
 
 _RSS_SAMPLE_INTERVAL_S = 0.002
 
@@ -290,8 +290,8 @@ def bench_models(models: list[tuple[str, nn.Module, object]], prefill_len: int =
     A summary is ``{"median", "min", "max", "samples"}`` plus warm-up samples under ``"warmup"``.
     """
     _check_settings(models, prefill_len, contexts, decode_tokens, repeats, warmup)
-    contexts = [int(n) for n in contexts]
-    device = _model_device(models[0][1])
+    contexts = list(dict.fromkeys(int(n) for n in contexts))  # keep order, drop repeats
+    reference_device = _model_device(models[0][1])  # settings and machine info describe the first model's device
     entries = []
     for label, model, _ in models:
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -312,7 +312,7 @@ def bench_models(models: list[tuple[str, nn.Module, object]], prefill_len: int =
         for (label, model, tokenizer), entry, samples in zip(models, entries, raw):
             if progress:
                 print(f"[bench] repetition {repetition + 1}/{warmup + repeats} {label}", flush=True)
-            vocab = _vocab_size(model)
+            vocab, device = _vocab_size(model), _model_device(model)
             if "prefill" not in entry["skipped"]:
                 seconds, peak = _measure_prefill(model, _random_ids(prefill_len, vocab, seed, device))
                 samples["prefill"].append(seconds)
@@ -325,7 +325,7 @@ def bench_models(models: list[tuple[str, nn.Module, object]], prefill_len: int =
                 samples[f"mem{n}"].append(peak)
 
     for (label, model, _), entry, samples in zip(models, entries, raw):
-        vocab = _vocab_size(model)
+        vocab, device = _vocab_size(model), _model_device(model)
         peaks = {}
         if "prefill" not in entry["skipped"]:
             entry["prefill"] = {"tokens": prefill_len, "latency_s": {**_summary(samples["prefill"][warmup:]),
@@ -348,8 +348,9 @@ def bench_models(models: list[tuple[str, nn.Module, object]], prefill_len: int =
         "settings": {"prefill_len": prefill_len, "contexts": contexts, "decode_tokens": decode_tokens,
                      "repeats": repeats, "warmup": warmup, "seed": seed, "batch_size": 1,
                      "dtype": str(next(models[0][1].parameters()).dtype).replace("torch.", ""),
-                     "memory_measure": "cuda_max_allocated" if device.type == "cuda" else "rss_delta_sampled"},
-        "machine": machine_info(device),
+                     "memory_measure": ("cuda_max_allocated" if reference_device.type == "cuda"
+                                        else "rss_delta_sampled")},
+        "machine": machine_info(reference_device),
         "models": entries,
     }
 
@@ -417,7 +418,8 @@ def bench_rows(bench: dict) -> list[list[str]]:
         decodes = sorted(entry["decode"].items(), key=lambda item: int(item[0]))  # JSON round trips sort keys as text
         for n, decode in decodes:
             median, spread = _cell(decode["tokens_per_s"], 1.0, 1)
-            rows.append([label, f"decode tok/s @ {n}", median, spread, _fmt_ratio(ratios["decode_tokens_per_s"].get(n))])
+            rows.append([label, f"decode tok/s @ {n}", median, spread,
+                         _fmt_ratio(ratios["decode_tokens_per_s"].get(n))])
         for n, decode in decodes:
             rows.append([label, f"cache bytes @ {n}", format_bytes(decode["cache_bytes"]), "",
                          _fmt_ratio(ratios["cache_bytes"].get(n))])

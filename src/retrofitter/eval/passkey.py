@@ -52,7 +52,8 @@ def passkey_trial(model: nn.Module, tokenizer, context_tokens: int, depth: float
                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                             else tokenizer.eos_token_id)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    digits = re.search(r"\d+", answer)
+    # Some tokenizers decode digit tokens with spaces between them ("1 2 3"): join such runs first.
+    digits = re.search(r"\d+", re.sub(r"(?<=\d)\s+(?=\d)", "", answer))
     return {"correct": bool(digits and digits.group(0) == passkey), "answer": answer.strip(),
             "prompt_tokens": int(inputs["input_ids"].shape[1])}
 

@@ -1,0 +1,136 @@
+"""LatentAttention: full-rank equivalence, latent-cache decoding, generate(), save/load (float64, tiny models)."""
+
+import pytest
+import torch
+
+from retrofitter.adapters import adapter_for
+from retrofitter.adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
+from retrofitter.checkpoint import load_retrofitted, save_retrofitted
+from retrofitter.modules.latent_attention import LatentAttention, LatentCacheLayer
+from retrofitter.modules.latent_linear import LatentLinear
+
+from tiny_models import TINY_VOCAB, build_tiny
+
+
+def strong_tiny(family, seed=0):
+    """A tiny float64 model whose layers matter (HF's 0.02 init makes attention nearly a no-op)."""
+    model = build_tiny(family, seed=seed, dtype=torch.float64)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and ".layers." in name:
+                param.mul_(8)
+    return model
+
+
+def ids(n=2, length=12, seed=3):
+    return torch.randint(3, TINY_VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def full_rank_latent(model):
+    """Every q/k/v/o as a full-rank LatentLinear (exact), then LatentAttention."""
+    adapter = adapter_for(model)
+    for layer in adapter.decoder_layers(model):
+        for name in ("q", "k", "v", "o"):
+            linear = adapter.get_linear(layer, name)
+            rank = min(linear.in_features, linear.out_features)
+            adapter.set_linear(layer, name, LatentLinear.from_linear(linear, None, rank, preconditioner="plain"))
+    return to_latent_attention(model)
+
+
+def low_rank_dense(model, keep=0.5, seed=0):
+    """Random low-rank LatentLinear projections (the dense-product model): a stand-in for a compressed model."""
+    adapter = adapter_for(model)
+    generator = torch.Generator().manual_seed(seed)
+    for layer in adapter.decoder_layers(model):
+        for name in ("q", "k", "v", "o"):
+            linear = adapter.get_linear(layer, name)
+            rank = max(1, int(keep * min(linear.in_features, linear.out_features)))
+            moment = torch.randn(linear.in_features, linear.in_features, generator=generator, dtype=torch.float64)
+            moment = moment @ moment.T / linear.in_features
+            mean = torch.zeros(linear.in_features, dtype=torch.float64) if linear.bias is not None else None
+            adapter.set_linear(layer, name, LatentLinear.from_linear(linear, moment, rank, mean=mean))
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "qwen3"])
+def test_full_rank_conversion_reproduces_logits(family):
+    tokens = ids()
+    model = strong_tiny(family)
+    reference = model(tokens).logits
+    converted = full_rank_latent(model)
+    assert isinstance(adapter_for(converted).attention(adapter_for(converted).decoder_layers(converted)[0]),
+                      LatentAttention)
+    torch.testing.assert_close(converted(tokens).logits, reference, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_latent_cache_decode_matches_full_forward(family):
+    model = to_latent_attention(low_rank_dense(strong_tiny(family)))
+    tokens = ids(2, 14)
+    full = model(tokens).logits
+    out = model(tokens[:, :9], use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    steps = [out.logits]
+    for position in range(9, 14):
+        out = model(tokens[:, position:position + 1], cache=cache, use_cache=True)
+        steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-10)
+    layer = cache.layers[0]
+    assert isinstance(layer, LatentCacheLayer)
+    attention = adapter_for(model).attention(adapter_for(model).decoder_layers(model)[0])
+    assert layer.keys.shape[-1] + layer.values.shape[-1] == attention.cache_numbers_per_token()
+    assert layer.keys.shape[-2] == 14
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_generate_latent_cache_equals_dense_product_model(family):
+    dense = low_rank_dense(strong_tiny(family))
+    prompt = ids(1, 6, seed=7)
+    expected = dense.generate(prompt, max_new_tokens=10, do_sample=False)
+    latent = to_latent_attention(dense)
+    produced = latent.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(produced, expected)
+
+
+def test_generate_with_left_padding_matches_unpadded():
+    model = to_latent_attention(low_rank_dense(strong_tiny("llama")))
+    prompt = ids(1, 6, seed=11)
+    alone = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], dim=1)
+    batch = torch.cat([padded, ids(1, 9, seed=12)])
+    batch_mask = torch.cat([mask, torch.ones(1, 9, dtype=torch.long)])
+    out = model.generate(batch, attention_mask=batch_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0, 9:], alone[0, 6:])
+
+
+def test_cache_numbers_per_token_counts_latent_ranks():
+    model = to_latent_attention(low_rank_dense(strong_tiny("llama"), keep=0.5))
+    adapter = adapter_for(model)
+    expected = sum(adapter.get_linear(layer, "k").rank + adapter.get_linear(layer, "v").rank
+                   for layer in adapter.decoder_layers(model))
+    assert latent_cache_numbers_per_token(model) == expected
+    dense_numbers = 2 * 2 * 8 * len(adapter.decoder_layers(model))  # 2·n_kv·d_h per layer
+    assert expected < dense_numbers
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_save_load_round_trip(family, tmp_path):
+    # float32 end to end: the loader builds float32 modules, so a float32 model must come back bit-identical.
+    model = to_latent_attention(low_rank_dense(strong_tiny(family))).float()
+    tokens = ids()
+    expected = model(tokens).logits
+    save_retrofitted(model, tmp_path / "m", {"method": "latentllm"})
+    loaded = load_retrofitted(tmp_path / "m")
+    assert isinstance(adapter_for(loaded).attention(adapter_for(loaded).decoder_layers(loaded)[1]), LatentAttention)
+    assert torch.equal(loaded(tokens).logits, expected)
+
+
+def test_dense_cache_layer_is_refused():
+    from transformers import DynamicCache
+
+    model = to_latent_attention(low_rank_dense(strong_tiny("llama")))
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="cannot hold latents"):
+        model(ids(1, 2), cache=cache, use_cache=True)
