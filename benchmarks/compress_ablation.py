@@ -10,7 +10,7 @@ Variants ("parts"), each at every ratio, same total linear-parameter budget:
     latentllm         default latentllm (joint QK + joint UD), uniform allocation
     rootcov_global    local rootcov parts, global allocation (allocation alone)
     latentllm_global  latentllm with global allocation
-    qk_sweep          q,k only, QK iterations 0..8 at the first ratio: mean score error vs perplexity
+    qk_sweep          q,k only, QK iterations 1..8 at the first ratio: mean score error vs perplexity
 
     python benchmarks/compress_ablation.py --ratios 0.2 --parts rootcov,latentllm,latentllm_global
 
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--eval", default="wiki-eval,austen")
     parser.add_argument("--max-eval-tokens", type=int, default=16384)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--qk-iterations", default="0,1,2,4,8")
+    parser.add_argument("--qk-iterations", default="1,2,4,8")  # tucker2 needs >= 1
     parser.add_argument("--skip-original", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "compress_ablation.json"))
     args = parser.parse_args()

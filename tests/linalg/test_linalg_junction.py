@@ -52,3 +52,18 @@ def test_assemble_down_and_shape_errors():
         junction_factor(torch.ones(3, 2), torch.ones(3, 4))
     with pytest.raises(ValueError, match="rank <= input dim"):
         pivoted_columns(torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("rank, width", [(5, 12), (40, 96), (120, 200)])
+def test_fast_pivoting_is_as_well_conditioned_as_greedy_reference(rank, width):
+    from retrofitter.linalg.junction import greedy_pivoted_columns
+
+    generator = torch.Generator().manual_seed(rank)
+    # rows of an orthonormal basis with a decaying column scale: a hard but realistic A = V P⁻¹
+    basis = torch.linalg.qr(torch.randn(width, rank, dtype=torch.float64, generator=generator))[0].T
+    A = basis @ torch.diag(torch.logspace(0, -4, width, dtype=torch.float64))
+    fast, reference = pivoted_columns(A), greedy_pivoted_columns(A)
+    assert len(set(fast.tolist())) == rank
+    cond_fast = float(torch.linalg.cond(A[:, fast]))
+    cond_reference = float(torch.linalg.cond(A[:, reference]))
+    assert cond_fast <= 10 * cond_reference

@@ -11,7 +11,8 @@ For each repetition ``r`` (``warmup`` discarded ones first, then ``repeats``) an
   reached the streamer (after a device sync);
 * **peak memory** of each measurement above its starting point: CUDA ``max_memory_allocated`` on a
   GPU, otherwise the process RSS sampled by a background thread (torch's CPU allocator bypasses
-  ``tracemalloc``), in MiB;
+  ``tracemalloc``), in MiB, the maximum over the timed repetitions (the warm-up is excluded: it
+  also pages in memory-mapped weights);
 * **cache bytes** at each context, measured once per model: the bytes of every tensor reachable from
   the cache object returned by a prefill of ``n`` tokens (attributes, lists, dicts and layers, walked
   recursively, each storage counted once) — valid for any cache class, latent or constant-state too;
@@ -330,7 +331,8 @@ def bench_models(models: list[tuple[str, nn.Module, object]], prefill_len: int =
         if "prefill" not in entry["skipped"]:
             entry["prefill"] = {"tokens": prefill_len, "latency_s": {**_summary(samples["prefill"][warmup:]),
                                                                      "warmup": samples["prefill"][:warmup]}}
-            peaks["prefill"] = max(samples["prefill_mem"])
+            # timed repetitions only: the warm-up also pages in mmap-loaded weights, which is not the model's cost
+            peaks["prefill"] = max(samples["prefill_mem"][warmup:])
         for n in contexts:
             if str(n) in entry["skipped"]:
                 continue
@@ -340,7 +342,7 @@ def bench_models(models: list[tuple[str, nn.Module, object]], prefill_len: int =
                 "tokens_per_s": {**_summary(samples[str(n)][warmup:]), "warmup": samples[str(n)][:warmup]},
                 "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / n,
             }
-            peaks[f"decode_{n}"] = max(samples[f"mem{n}"])
+            peaks[f"decode_{n}"] = max(samples[f"mem{n}"][warmup:])
         entry["peak_memory_mb"] = peaks
     _add_ratios(entries)
     return {

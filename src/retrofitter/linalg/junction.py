@@ -22,6 +22,7 @@ __all__ = [
     "junction_factor",
     "junction_param_count",
     "pivoted_columns",
+    "greedy_pivoted_columns",
     "assemble_down",
 ]
 
@@ -50,17 +51,40 @@ def junction_param_count(d_in: int, d_out: int, r: int) -> int:
     return r * (d_in + d_out) - r * r
 
 
-def pivoted_columns(A: torch.Tensor) -> torch.Tensor:
-    """First r column indices [r] (long) of a greedy QR with column pivoting of A [r, d].
-
-    Step k picks the column with the largest norm after projecting out the columns already picked
-    (Businger–Golub). O(r² d) in float64, fine for r up to a few thousand.
-    """
+def _check_factor_shape(A: torch.Tensor) -> tuple[int, int]:
     if A.ndim != 2:
         raise ValueError(f"A must be a matrix [r, d], got shape {tuple(A.shape)}")
     rank, width = A.shape
     if rank > width:
         raise ValueError(f"junction needs rank <= input dim, got A of shape {tuple(A.shape)}")
+    return rank, width
+
+
+def pivoted_columns(A: torch.Tensor) -> torch.Tensor:
+    """r well-conditioned column indices [r] (long) of A [r, d], by LU pivoting of an orthonormal basis.
+
+    Q-DEIM-style selection: Q [d, r] = orthonormal basis of A's row space (QR of Aᵀ), then LU with
+    partial pivoting of Q picks r rows of Q, i.e. r columns of A. Since A = R̃ Qᵀ for an invertible
+    R̃, cond(A[:, piv]) ≤ cond(R̃) · cond(Q[piv]) and LU keeps Q[piv] well conditioned. Both steps are
+    blocked LAPACK calls (milliseconds for d = 1536), where the greedy Businger–Golub loop
+    (:func:`greedy_pivoted_columns`, the reference) costs seconds per matrix; the tests check that the
+    conditioning of the two choices agrees.
+    """
+    rank, _ = _check_factor_shape(A)
+    basis, _ = torch.linalg.qr(A.detach().to(torch.float64).T)  # [d, r]
+    permutation, _, _ = torch.linalg.lu(basis)  # basis = P L U; P [d, d]
+    # Row i of P·(L U) comes from row order[i] of the basis: the first r rows are the pivots.
+    order = permutation.argmax(dim=0)
+    return order[:rank].contiguous()
+
+
+def greedy_pivoted_columns(A: torch.Tensor) -> torch.Tensor:
+    """Reference: first r column indices of a greedy QR with column pivoting of A [r, d].
+
+    Step k picks the column with the largest norm after projecting out the columns already picked
+    (Businger–Golub). O(r² d) with r Python-level steps: slow, kept to check :func:`pivoted_columns`.
+    """
+    rank, width = _check_factor_shape(A)
     residual = A.detach().to(torch.float64).clone()  # [r, d]
     squared_norms = residual.pow(2).sum(0)  # [d]
     taken = torch.zeros(width, dtype=torch.bool, device=A.device)
