@@ -7,6 +7,8 @@ one shared calibration pass (so the methods differ only in the factorization), p
 with sequential ("compressed") statistics, the pipeline's default, timed end to end.
 
     python benchmarks/compress_methods.py [--ratios 0.1,0.2,0.3] [--max-eval-tokens 16384]
+    python benchmarks/compress_methods.py --ratios 0.2 --extra-ratios 0.1,0.3 --extra-methods svd,asvd-rootcov \
+        --max-eval-tokens 4096 --no-sequential      # the README table (CPU budget)
 
 Writes benchmarks/results/compress_methods.json and .md and prints the table.
 """
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--ratios", default="0.1,0.2,0.3")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--extra-ratios", default="", help="further ratios, run only for --extra-methods")
+    parser.add_argument("--extra-methods", default="svd,asvd-rootcov")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval", default="wiki-eval,austen")
@@ -100,8 +104,11 @@ def main() -> None:
     moments = collect_teacher_moments(original, calibration, batch_size=args.batch_size)
     statistics_seconds = time.perf_counter() - t0
     print(f"teacher statistics pass: {statistics_seconds:.0f}s", flush=True)
-    for ratio in ratios:
-        for method in methods:
+    extra_ratios = [float(r) for r in args.extra_ratios.split(",") if r]
+    extra_methods = [m for m in args.extra_methods.split(",") if m]
+    schedule = [(ratio, methods) for ratio in ratios] + [(ratio, extra_methods) for ratio in extra_ratios]
+    for ratio, ratio_methods in schedule:
+        for method in ratio_methods:
             model = copy.deepcopy(original)
             t0 = time.perf_counter()
             try:
@@ -114,7 +121,7 @@ def main() -> None:
             rows.append(row(f"{method}@{ratio}", method, ratio, model, before, ppl, seconds, note))
             print(markdown(rows[-1:], corpora).splitlines()[-1], flush=True)
             del model
-        if not args.no_sequential:
+        if not args.no_sequential and ratio in ratios:
             model = copy.deepcopy(original)
             t0 = time.perf_counter()
             compress_model(model, CompressConfig(ratio=ratio, method="asvd-rootcov", statistics="compressed",

@@ -66,14 +66,22 @@ def evaluation_blocks(tokenizer, corpus: str, seq_len: int, max_tokens: int | No
     return token_blocks(tokenizer, load_text(corpus), seq_len=seq_len, max_tokens=max_tokens)
 
 
-def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True) -> dict:
-    """Perplexity on ``config.corpora`` plus accounting, as a results dict (design.md §5 fields)."""
+def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True,
+             blocks: dict[str, torch.Tensor] | None = None) -> dict:
+    """Perplexity on ``config.corpora`` plus accounting, as a results dict (design.md §5 fields).
+
+    ``blocks`` (optional): corpus -> token blocks already cut with this config, so that a caller
+    evaluating many models tokenizes each corpus once.
+    """
     timings: dict = {}
     ppl, details = {}, {}
     for corpus in config.corpora:
-        blocks = evaluation_blocks(tokenizer, corpus, config.seq_len, config.max_eval_tokens)
+        if blocks is not None and corpus in blocks:
+            corpus_blocks = blocks[corpus]
+        else:
+            corpus_blocks = evaluation_blocks(tokenizer, corpus, config.seq_len, config.max_eval_tokens)
         with timed(timings, f"eval_{corpus}"):
-            result = perplexity(model, blocks, batch_size=config.batch_size, progress=progress,
+            result = perplexity(model, corpus_blocks, batch_size=config.batch_size, progress=progress,
                                 description=f"ppl {corpus}")
         ppl[corpus] = result.ppl
         details[corpus] = {"tokens": result.tokens, "blocks": result.blocks}

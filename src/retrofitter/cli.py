@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="the main job on the default model: fetch, compress, eval, bench, report")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--methods", default="asvd-rootcov,latentllm", help="comma-separated compress methods")
-    demo.add_argument("--ratios", default="0.1,0.2,0.3")
-    demo.add_argument("--max-eval-tokens", type=int, default=8192, help="evaluation tokens per corpus")
+    demo.add_argument("--ratios", default="0.1,0.2,0.3", help="asvd-rootcov ratios (one shared statistics pass)")
+    demo.add_argument("--latentllm-ratios", default="0.3", help="latentllm ratios ('' to skip)")
+    demo.add_argument("--max-eval-tokens", type=int, default=4096, help="evaluation tokens per corpus")
     demo.add_argument("--calib-samples", type=int, default=64)
     demo.add_argument("--no-bench", action="store_true")
     demo.add_argument("--quiet", action="store_true")
@@ -372,8 +372,9 @@ def cmd_linearize(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(out=args.out, model_name=args.model, methods=tuple(m for m in args.methods.split(",") if m),
-             ratios=tuple(float(r) for r in args.ratios.split(",")), max_eval_tokens=args.max_eval_tokens,
+    run_demo(out=args.out, model_name=args.model, ratios=tuple(float(r) for r in args.ratios.split(",") if r),
+             latentllm_ratios=tuple(float(r) for r in args.latentllm_ratios.split(",") if r),
+             max_eval_tokens=args.max_eval_tokens,
              calib_samples=args.calib_samples, bench=not args.no_bench, progress=not args.quiet)
     return 0
 

@@ -1,11 +1,13 @@
 """``retrofitter demo``: the main job on the default model, end to end, in one command.
 
-fetch → evaluate the original → compress at several ratios with each demo method → evaluate each →
-save one compressed model and reload it → bench the original against the most compressed model →
-write ``OUT/report.md`` with plots, and print the result table.
+fetch → evaluate the original → asvd-rootcov at every ratio (one shared calibration-statistics pass
+of the original model, ``statistics="teacher"``, so extra ratios cost only a factorization) →
+latentllm at ``latentllm_ratios`` (its own sequential pipeline) → evaluate each → save the most
+compressed rootcov model and reload it → bench the original against it → write ``OUT/report.md``
+with plots, and print the result table.
 
-Budget: about 20 minutes on 2 CPU cores with the defaults (evaluation capped at
-``max_eval_tokens`` per corpus; the cap is recorded in every JSON).
+Budget: under 20 minutes on 2 CPU cores with the defaults (evaluation capped at ``max_eval_tokens``
+per corpus; the cap is recorded in every JSON).
 """
 
 from __future__ import annotations
@@ -21,21 +23,19 @@ from .config import CompressConfig, EvalConfig
 from .eval.accounting import account
 from .eval.table import format_results_table
 
-__all__ = ["run_demo", "DEMO_METHODS"]
-
-DEMO_METHODS = ("asvd-rootcov", "latentllm")
+__all__ = ["run_demo"]
 
 
-def run_demo(out="runs/demo", model_name: str = "smollm2-135m", methods=DEMO_METHODS, ratios=(0.1, 0.2, 0.3),
+def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2, 0.3), latentllm_ratios=(0.3,),
              corpora=("wiki-eval", "austen"), calib_samples: int = 64, seq_len: int = 512,
-             max_eval_tokens: int = 8192, bench: bool = True, progress: bool = True) -> Path:
+             max_eval_tokens: int = 4096, bench: bool = True, progress: bool = True) -> Path:
     """Run the demo; returns the path of the written report."""
     from .data.blocks import calibration_blocks
     from .data.corpora import load_text
     from .data.fetch import fetch
     from .eval.bench import bench_models, format_bench_table
     from .eval.report import write_report
-    from .pipelines.compress import compress_model
+    from .pipelines.compress import collect_teacher_moments, compress_model, compress_with_moments
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,39 +44,57 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", methods=DEMO_MET
     original, tokenizer = load_model(model_name)
     eval_config = EvalConfig(corpora=tuple(corpora), seq_len=seq_len, max_eval_tokens=max_eval_tokens)
     _say(f"evaluating the original {model_name} on {', '.join(corpora)} ({max_eval_tokens} tokens each)")
-    results = [evaluate(original, tokenizer, eval_config, progress=progress)]
+    from .api import evaluation_blocks
+
+    blocks = {c: evaluation_blocks(tokenizer, c, seq_len, max_eval_tokens) for c in corpora}
+    results = [evaluate(original, tokenizer, eval_config, progress=progress, blocks=blocks)]
     results[0]["model"] = model_name
     write_json(results[0], out / "original.json")
     before = account(original)
     calibration = calibration_blocks(tokenizer, load_text("wiki-calib"), seq_len, calib_samples)
 
+    def finish(model, method, ratio, seconds, statistics):
+        result = evaluate(model, tokenizer, eval_config, progress=progress, blocks=blocks)
+        result.update({"model": model_name, "method": method, "ratio": ratio})
+        result["timings_s"]["compress"] = seconds
+        result["reduction"] = {"linear": 1 - result["params"]["linear"] / before.params_linear,
+                               "total": 1 - result["params"]["total"] / before.params_total}
+        result["settings"].update({"calib": "wiki-calib", "calib_samples": calib_samples, "calib_seq_len": seq_len,
+                                   "statistics": statistics})
+        write_json(result, out / f"{method}-{ratio:g}.json")
+        results.append(result)
+        print(format_results_table([result]).splitlines()[-1], flush=True)
+
     most_compressed = None
-    for method in methods:
+    if ratios:
+        _say(f"calibration statistics of the original model ({calib_samples}×{seq_len} tokens of wiki-calib)")
+        t0 = time.perf_counter()
+        moments = collect_teacher_moments(original, calibration, progress=progress)
+        statistics_seconds = time.perf_counter() - t0
+        svd_cache: dict = {}  # each matrix's weighted SVD, truncated at every ratio
         for ratio in ratios:
-            _say(f"compressing with {method} at ratio {ratio} ({calib_samples}×{seq_len} calibration tokens)")
+            _say(f"asvd-rootcov at ratio {ratio}")
             model = copy.deepcopy(original)
             t0 = time.perf_counter()
-            model, report = compress_model(model, CompressConfig(ratio=ratio, method=method), calibration,
-                                           progress=progress)
-            seconds = time.perf_counter() - t0
-            result = evaluate(model, tokenizer, eval_config, progress=progress)
-            result.update({"model": model_name, "method": method, "ratio": ratio})
-            result["timings_s"]["compress"] = seconds
-            result["reduction"] = {"linear": 1 - result["params"]["linear"] / before.params_linear,
-                                   "total": 1 - result["params"]["total"] / before.params_total}
-            result["settings"].update({"calib": "wiki-calib", "calib_samples": calib_samples, "calib_seq_len": seq_len})
-            write_json(result, out / f"{method}-{ratio:g}.json")
-            results.append(result)
-            print(format_results_table([result]).splitlines()[-1], flush=True)
-            if method == methods[0] and ratio == max(ratios):
-                most_compressed = (f"{method}-{ratio:g}", model)
+            compress_with_moments(model, CompressConfig(ratio=ratio, statistics="teacher"), moments, svd_cache)
+            finish(model, "asvd-rootcov", ratio, statistics_seconds + time.perf_counter() - t0, "teacher")
+            if ratio == max(ratios):
+                most_compressed = (f"asvd-rootcov-{ratio:g}", model)
             else:
                 del model
+        del moments, svd_cache
+    for ratio in latentllm_ratios:
+        _say(f"latentllm at ratio {ratio} (sequential pipeline)")
+        model = copy.deepcopy(original)
+        t0 = time.perf_counter()
+        compress_model(model, CompressConfig(ratio=ratio, method="latentllm"), calibration, progress=progress)
+        finish(model, "latentllm", ratio, time.perf_counter() - t0, "compressed")
+        del model
 
     if most_compressed is not None:
         label, model = most_compressed
         saved = save(model, out / "models" / label, tokenizer=tokenizer,
-                     metadata={"method": label.rsplit("-", 1)[0], "ratio": max(ratios), "source_model": model_name},
+                     metadata={"method": "asvd-rootcov", "ratio": max(ratios), "source_model": model_name},
                      overwrite=True)
         reloaded, _ = load_model(str(saved))
         ids = calibration[:1, :64]

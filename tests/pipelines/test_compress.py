@@ -136,3 +136,17 @@ def test_shared_teacher_moments_equal_the_teacher_pipeline():
     shared, report = compress_with_moments(build_tiny("opt"), config, moments)
     torch.testing.assert_close(_logits(shared, ids), _logits(direct, ids), rtol=1e-5, atol=1e-5)
     assert report["targets_reduction"] >= 0.3
+
+
+def test_svd_cache_across_ratios_gives_the_same_models():
+    from retrofitter.pipelines.compress import collect_teacher_moments, compress_with_moments
+
+    ids = calibration()
+    moments = collect_teacher_moments(build_tiny("opt"), ids, progress=False)
+    cache: dict = {}
+    for ratio in (0.2, 0.4):
+        config = CompressConfig(ratio=ratio, statistics="teacher")
+        cached, _ = compress_with_moments(build_tiny("opt"), config, moments, cache)
+        fresh, _ = compress_with_moments(build_tiny("opt"), config, moments)
+        torch.testing.assert_close(_logits(cached, ids), _logits(fresh, ids), rtol=1e-6, atol=1e-6)
+    assert len(cache) == 2 * 6  # one SVD per matrix, reused by the second ratio

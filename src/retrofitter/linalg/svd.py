@@ -12,13 +12,18 @@ Everything runs in float64.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .moments import check_finite_matrix, damped
-from .preconditioners import make_preconditioner
+from .preconditioners import Preconditioner, make_preconditioner
 
 __all__ = [
     "weighted_low_rank",
+    "weighted_svd",
+    "WeightedSVD",
+    "build_preconditioner",
     "rootcov_svd",
     "bias_compensation",
     "proxy_error",
@@ -33,6 +38,64 @@ def check_rank(rank: int, out_features: int, in_features: int) -> None:
         raise ValueError(
             f"rank must be in [1, {limit}] for a {out_features}x{in_features} matrix, got {rank}"
         )
+
+
+@dataclass(frozen=True)
+class WeightedSVD:
+    """Full thin SVD of W P, from which the optimal factors of *every* rank follow by truncation.
+
+    ``factors(r)`` = (U[:, :r] S[:r], V[:r] P⁺). Computing it once and truncating at several ranks
+    (several compression ratios of one model) costs one SVD instead of one per ratio.
+    """
+
+    U: torch.Tensor  # [d', k]
+    S: torch.Tensor  # [k]
+    Vh: torch.Tensor  # [k, d]
+    P_inv: torch.Tensor  # [d, d]
+
+    def factors(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        check_rank(rank, self.U.shape[0], self.Vh.shape[1])
+        return self.U[:, :rank] * self.S[:rank], self.Vh[:rank] @ self.P_inv
+
+
+def weighted_svd(
+    W: torch.Tensor,
+    second_moment: torch.Tensor | None,
+    preconditioner: str | Preconditioner = "rootcov",
+    damping: float = 1e-2,
+    name: str = "matrix",
+) -> WeightedSVD:
+    """The SVD of W P behind :func:`weighted_low_rank` (all ranks at once), float64.
+
+    ``preconditioner`` is a registry name, or an already built :class:`Preconditioner` (then
+    ``second_moment`` and ``damping`` are not used: projections sharing one input share it).
+    """
+    if W.ndim != 2:
+        raise ValueError(f"W must be a matrix [out, in], got shape {tuple(W.shape)}")
+    weight = W.detach().to(torch.float64)
+    check_finite_matrix(weight, f"{name} (weight)")
+    if isinstance(preconditioner, Preconditioner):
+        precond = preconditioner
+    else:
+        precond = build_preconditioner(second_moment, W.shape[1], preconditioner, damping, name, weight.device)
+    U, S, Vh = torch.linalg.svd(weight @ precond.P.to(weight.device), full_matrices=False)
+    return WeightedSVD(U, S, Vh, precond.P_inv.to(weight.device))
+
+
+def build_preconditioner(second_moment: torch.Tensor | None, in_features: int, preconditioner: str = "rootcov",
+                         damping: float = 1e-2, name: str = "matrix", device=None) -> Preconditioner:
+    """P for the damped C + damping·mean(diag C)·I (``None``: C = I), NaN/Inf named by ``name``."""
+    if second_moment is None:
+        moment = torch.eye(in_features, dtype=torch.float64, device=device)
+    else:
+        if tuple(second_moment.shape) != (in_features, in_features):
+            raise ValueError(
+                f"second moment shape {tuple(second_moment.shape)} does not match W's input dim {in_features}"
+            )
+        moment = second_moment.detach().to(device=device, dtype=torch.float64)
+        check_finite_matrix(moment, f"{name} (second moment)")
+        moment = damped(moment, damping)
+    return make_preconditioner(preconditioner, moment)
 
 
 def weighted_low_rank(
@@ -52,25 +115,8 @@ def weighted_low_rank(
     """
     if W.ndim != 2:
         raise ValueError(f"W must be a matrix [out, in], got shape {tuple(W.shape)}")
-    out_features, in_features = W.shape
-    check_rank(rank, out_features, in_features)
-    weight = W.detach().to(torch.float64)
-    check_finite_matrix(weight, f"{name} (weight)")
-    if second_moment is None:
-        moment = torch.eye(in_features, dtype=torch.float64, device=weight.device)
-    else:
-        if tuple(second_moment.shape) != (in_features, in_features):
-            raise ValueError(
-                f"second moment shape {tuple(second_moment.shape)} does not match W's input dim {in_features}"
-            )
-        moment = second_moment.detach().to(device=weight.device, dtype=torch.float64)
-        check_finite_matrix(moment, f"{name} (second moment)")
-        moment = damped(moment, damping)
-    precond = make_preconditioner(preconditioner, moment)
-    U, S, Vh = torch.linalg.svd(weight @ precond.P, full_matrices=False)
-    B = U[:, :rank] * S[:rank]  # [d', r]
-    A = Vh[:rank] @ precond.P_inv  # [r, d]
-    return B, A
+    check_rank(rank, *W.shape)
+    return weighted_svd(W, second_moment, preconditioner, damping, name).factors(rank)
 
 
 def rootcov_svd(

@@ -29,7 +29,7 @@ from ..adapters import adapter_for
 from ..config import CompressConfig
 from ..eval.resources import peak_rss_mb
 from ..linalg.ranks import rank_for_keep_fraction
-from ..linalg.svd import proxy_error
+from ..linalg.svd import bias_compensation, build_preconditioner, proxy_error, weighted_svd
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments
 
@@ -164,13 +164,17 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
 
 
 def compress_layer(adapter, layer: nn.Module, index: int, targets: list[str], plan: dict, config: CompressConfig,
-                   moments: dict) -> dict:
+                   moments: dict, svd_cache: dict | None = None) -> dict:
     """Replace each target projection of ``layer`` by a ``LatentLinear`` fitted on its input moments.
 
     ``moments``: projection name -> ``SecondMomentAccumulator`` of its input. Layers with a bias are
-    fitted on centered statistics with bias compensation b̂ = b + (W − BA)μ. Returns per-matrix info.
+    fitted on centered statistics with bias compensation b̂ = b + (W − BA)μ. Projections sharing an
+    input share one preconditioner (one eigendecomposition). ``svd_cache`` (optional dict) keeps the
+    full weighted SVD of each matrix, so compressing the same model again at another ratio only
+    truncates. Returns per-matrix info.
     """
     entries = {}
+    preconditioners: dict = {}
     for name in targets:
         linear = adapter.get_linear(layer, name)
         accumulator = moments[name]
@@ -178,12 +182,27 @@ def compress_layer(adapter, layer: nn.Module, index: int, targets: list[str], pl
         accumulator.check_finite(where)
         rank = plan[(index, name)]
         has_bias = linear.bias is not None
-        replacement = LatentLinear.from_linear(
-            linear, accumulator.second_moment, rank, preconditioner=config.preconditioner,
-            junction=config.junction, mean=accumulator.mean if has_bias else None, damping=config.damping,
-            name=where)
-        error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(),
-                            accumulator.covariance() if has_bias else accumulator.second_moment)
+        mean = accumulator.mean if has_bias else None
+        # centered statistics with a bias (the bias absorbs the mean), raw second moment without
+        moment = accumulator.covariance() if has_bias else accumulator.second_moment
+        key = (index, name, config.preconditioner, config.damping)
+        svd = svd_cache.get(key) if svd_cache is not None else None
+        if svd is None:
+            shared = preconditioners.get(id(accumulator))
+            if shared is None:
+                shared = build_preconditioner(moment, linear.in_features, config.preconditioner, config.damping,
+                                              where, linear.weight.device)
+                preconditioners[id(accumulator)] = shared
+            svd = weighted_svd(linear.weight, moment, shared, name=where)
+            if svd_cache is not None:
+                svd_cache[key] = svd
+        B, A = svd.factors(rank)
+        bias = linear.bias.detach() if has_bias else None
+        if mean is not None:
+            bias = bias_compensation(linear.weight, B, A, bias, mean)
+        replacement = LatentLinear.from_factors(B, A, bias=bias, junction=config.junction,
+                                                dtype=linear.weight.dtype, device=linear.weight.device)
+        error = proxy_error(linear.weight, B, A, moment)
         entries[name] = {"rank": rank, "in": linear.in_features, "out": linear.out_features,
                          "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
                          "proxy_error": error}
@@ -229,8 +248,13 @@ def collect_teacher_moments(model: nn.Module, calibration: torch.Tensor, batch_s
     return result
 
 
-def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dict[int, dict]) -> tuple[nn.Module, dict]:
-    """Local compression of every layer from precomputed (teacher) moments; returns ``(model, report)``."""
+def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dict[int, dict],
+                          svd_cache: dict | None = None) -> tuple[nn.Module, dict]:
+    """Local compression of every layer from precomputed (teacher) moments; returns ``(model, report)``.
+
+    Pass the same ``svd_cache`` dict to several calls (other ratios of the same model and method) to
+    reuse each matrix's weighted SVD.
+    """
     start = time.perf_counter()
     adapter = adapter_for(model)
     targets = _targets(adapter, config)
@@ -239,7 +263,7 @@ def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dic
     reports = []
     for index, layer in enumerate(adapter.decoder_layers(model)):
         t0 = time.perf_counter()
-        entries = compress_layer(adapter, layer, index, targets, plan, config, moments[index])
+        entries = compress_layer(adapter, layer, index, targets, plan, config, moments[index], svd_cache)
         reports.append({"layer": index, "seconds": time.perf_counter() - t0, "matrices": entries})
     timings = {"factorization": time.perf_counter() - start, "total": time.perf_counter() - start}
     return model, _summary(model, adapter, config, plan, reports, timings)
