@@ -75,7 +75,7 @@ def test_saved_model_generates(workspace):
                  "--seq-len", "32", "--out", str(out), "--no-eval", "--quiet"]) == 0
     model, tokenizer = retrofitter.load(out)
     ids = tokenizer("a truth", return_tensors="pt").input_ids
-    generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+    generated = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert generated.shape[1] == ids.shape[1] + 5
 
 

@@ -41,5 +41,5 @@ def test_compress_rootcov_keeps_the_model_usable(tmp_path):
     model, tokenizer = retrofitter.load(out)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
-        tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+        tokens = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert tokens.shape[1] == ids.shape[1] + 4
