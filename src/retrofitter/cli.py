@@ -108,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--ratios", default="0.1,0.2,0.3", help="asvd-rootcov ratios (one shared statistics pass)")
-    demo.add_argument("--latentllm-ratios", default="0.3", help="latentllm ratios ('' to skip)")
+    demo.add_argument("--latentllm-ratios", default="",
+                      help="also run latentllm at these ratios, e.g. 0.3 (default: none; not yet measured on the real model)")
     demo.add_argument("--max-eval-tokens", type=int, default=4096, help="evaluation tokens per corpus")
-    demo.add_argument("--calib-samples", type=int, default=64)
+    demo.add_argument("--calib-samples", type=int, default=32, help="calibration blocks of 512 tokens (default 32)")
     demo.add_argument("--no-bench", action="store_true")
     demo.add_argument("--quiet", action="store_true")
     return parser
