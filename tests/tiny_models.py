@@ -43,6 +43,17 @@ def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
     return model.eval()
 
 
+def strong_tiny(family: str, seed: int = 0, dtype=torch.float32):
+    """A tiny model whose layers matter: HF's 0.02 init makes attention nearly a no-op, so the
+    decoder-layer matrices are scaled ×8 (tests of attention/compression need real interactions)."""
+    model = build_tiny(family, seed=seed, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and ".layers." in name:
+                param.mul_(8)
+    return model
+
+
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt"]
 
 

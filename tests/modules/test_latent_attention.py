@@ -9,17 +9,13 @@ from retrofitter.checkpoint import load_retrofitted, save_retrofitted
 from retrofitter.modules.latent_attention import LatentAttention, LatentCacheLayer
 from retrofitter.modules.latent_linear import LatentLinear
 
+from tiny_models import strong_tiny as shared_strong_tiny
 from tiny_models import TINY_VOCAB, build_tiny
 
 
 def strong_tiny(family, seed=0):
-    """A tiny float64 model whose layers matter (HF's 0.02 init makes attention nearly a no-op)."""
-    model = build_tiny(family, seed=seed, dtype=torch.float64)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and ".layers." in name:
-                param.mul_(8)
-    return model
+    """The shared strong tiny model, in float64 (these tests compare to 1e-10)."""
+    return shared_strong_tiny(family, seed=seed, dtype=torch.float64)
 
 
 def ids(n=2, length=12, seed=3):

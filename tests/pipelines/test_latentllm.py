@@ -10,16 +10,10 @@ from retrofitter.modules.latent_attention import LatentAttention
 from retrofitter.modules.latent_linear import LatentLinear
 from retrofitter.pipelines.compress import _summary, compress_model
 
+from tiny_models import strong_tiny
 from tiny_models import TINY_VOCAB, build_tiny
 
 
-def strong_tiny(family, dtype=torch.float32):
-    model = build_tiny(family, dtype=dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and ".layers." in name:
-                param.mul_(8)
-    return model
 
 
 def calibration(n=8, seq=32, seed=1):

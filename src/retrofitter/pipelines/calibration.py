@@ -35,6 +35,12 @@ class LayerStream:
         outputs = [_layer_output(layer(h, **kw)) for h, kw in zip(self.hidden, self.layer_kwargs)]
         return LayerStream(outputs, self.layer_kwargs, self.token_count)
 
+    @torch.no_grad()
+    def run(self, layer: nn.Module) -> None:
+        """Run ``layer`` over every batch for its side effects (forward hooks); outputs are dropped."""
+        for h, kw in zip(self.hidden, self.layer_kwargs):
+            layer(h, **kw)
+
     def clone(self) -> "LayerStream":
         return LayerStream([h.clone() for h in self.hidden], self.layer_kwargs, self.token_count)
 

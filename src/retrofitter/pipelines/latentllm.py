@@ -213,8 +213,7 @@ class _LayerCompressor:
         handle = compressed[inputs[0]].register_forward_hook(hook)
         try:
             self.passes += 1
-            for h, kw in zip(self.stream.hidden, self.stream.layer_kwargs):
-                self.layer(h, **kw)
+            self.stream.run(self.layer)
         finally:
             handle.remove()
         hat.check_finite(f"layer {self.index} compressed MLP intermediate")
@@ -256,8 +255,7 @@ class _LayerCompressor:
         handle = modules[0].register_forward_hook(hook)
         try:
             self.passes += 1
-            for h, kw in zip(self.stream.hidden, self.stream.layer_kwargs):
-                self.layer(h, **kw)
+            self.stream.run(self.layer)
         finally:
             handle.remove()
         X = torch.cat(rows)
