@@ -97,3 +97,21 @@ def test_too_few_calibration_blocks_is_a_clear_error(workspace, capsys):
                  "--seq-len", "32", "--out", str(tmp / "o"), "--no-eval", "--quiet"]) == 2
     assert "--calib-samples asks for 500" in capsys.readouterr().err
     assert not (tmp / "o").exists()
+
+
+def test_compress_with_global_fisher_allocation_and_latentllm_switches(workspace):
+    tmp, model_dir, corpus = workspace
+    out = tmp / "global"
+    assert main(["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
+                 "--seq-len", "32", "--method", "latentllm", "--allocation", "global", "--allocation-weighting",
+                 "fisher", "--allocation-gradient-blocks", "2", "--no-joint-mlp", "--qk-iterations", "2",
+                 "--out", str(out), "--no-eval", "--quiet", "--json", str(tmp / "g.json")]) == 0
+    data = json.loads((tmp / "g.json").read_text())
+    config = data["settings"]["compress_config"]
+    assert config["allocation"] == "global" and config["allocation_weighting"] == "fisher"
+    assert config["joint_mlp"] is False and config["qk_iterations"] == 2
+    assert data["reduction"]["linear"] >= 0.29
+    ranks = {layer["matrices"][name]["rank"] for layer in data["layers"] for name in layer["matrices"]}
+    assert len(ranks) > 2  # globally allocated, not one rank per shape
+    model, _ = retrofitter.load(out)
+    assert any(isinstance(m, LatentLinear) for m in model.modules())

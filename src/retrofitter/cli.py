@@ -63,7 +63,7 @@ def _add_bench_and_report(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import COMPRESS_METHODS
+    from .config import ALLOCATION_WEIGHTINGS, COMPRESS_METHODS
 
     parser = argparse.ArgumentParser(prog="retrofitter", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows per-layer progress)")
@@ -98,6 +98,24 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--no-junction", action="store_true", help="store plain B, A factors (r(d+d') parameters)")
     compress.add_argument("--targets", default="", help="comma-separated projections to compress (default all)")
     compress.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
+    compress.add_argument("--allocation", choices=["uniform", "global"], default="uniform",
+                          help="uniform: every matrix keeps 1-ratio of its parameters; global: ranks by water-filling "
+                               "on the weighted spectra of all matrices under one budget")
+    compress.add_argument("--allocation-weighting", choices=list(ALLOCATION_WEIGHTINGS), default="relative",
+                          help="global allocation: how errors of different matrices compare (fisher: priced by "
+                               "the loss gradient at each matrix's output; default relative)")
+    compress.add_argument("--allocation-min-keep", type=float, default=0.0,
+                          help="global allocation: each matrix keeps at least this fraction of its parameters")
+    compress.add_argument("--allocation-gradient-blocks", type=int, default=8,
+                          help="fisher weighting: calibration blocks for the backward passes (default 8)")
+    latentllm = compress.add_argument_group("latentllm parts (ablations)")
+    latentllm.add_argument("--no-joint-qk", action="store_true", help="local factors for q and k")
+    latentllm.add_argument("--joint-vo", action="store_true", help="joint VO decomposition (default local v, o)")
+    latentllm.add_argument("--no-joint-mlp", action="store_true", help="local factors for the MLP")
+    latentllm.add_argument("--qk-iterations", type=int, default=8, help="joint QK alternating iterations")
+    latentllm.add_argument("--mlp-algorithm", choices=["streaming", "auxiliary"], default="streaming")
+    latentllm.add_argument("--no-latent-attention", action="store_true",
+                           help="keep HF attention with factored projections (no latent KV cache)")
     compress.add_argument("--measure-cost", action="store_true",
                           help="also time one plain forward over the calibration tokens (compression cost ratio)")
     _add_eval_options(compress, "--eval", "wiki-eval")
@@ -185,7 +203,13 @@ def cmd_compress(args) -> int:
     prepare_output_dir(args.out, args.overwrite)  # fail before any work
     config = CompressConfig(ratio=args.ratio, method=args.method, junction=not args.no_junction,
                             statistics=args.statistics, damping=args.damping,
-                            targets=tuple(t for t in args.targets.split(",") if t), batch_size=args.batch_size)
+                            targets=tuple(t for t in args.targets.split(",") if t), batch_size=args.batch_size,
+                            allocation=args.allocation, allocation_weighting=args.allocation_weighting,
+                            allocation_min_keep=args.allocation_min_keep,
+                            allocation_gradient_blocks=args.allocation_gradient_blocks,
+                            joint_qk=not args.no_joint_qk, joint_vo=args.joint_vo, joint_mlp=not args.no_joint_mlp,
+                            qk_iterations=args.qk_iterations, mlp_algorithm=args.mlp_algorithm,
+                            latent_attention=not args.no_latent_attention)
     timings = {}
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)

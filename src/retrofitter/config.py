@@ -18,6 +18,9 @@ COMPRESS_METHODS: dict[str, str] = {
     "latentllm": "rootcov",
 }
 
+# How global rank allocation compares the error of different matrices (pipelines/allocation.py).
+ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
+
 
 class _JsonRoundTrip:
     def to_dict(self) -> dict:
@@ -64,8 +67,9 @@ class CompressConfig(_JsonRoundTrip):
     mlp_iterations: int = 4  # auxiliary-variable iterations
     mlp_aux_tokens: int = 8192  # token subsample of the auxiliary-variable MLP (it holds activations)
     latent_attention: bool = True  # swap attention for LatentAttention (latent k/v cache) at the end
-    allocation_weighting: str = "relative"  # global allocation: key of allocation.WEIGHTINGS
+    allocation_weighting: str = "relative"  # global allocation: one of ALLOCATION_WEIGHTINGS
     allocation_min_keep: float = 0.0  # global allocation: every matrix keeps at least this fraction of its params
+    allocation_gradient_blocks: int = 8  # "fisher" weighting: calibration blocks of the backward passes
 
     def __post_init__(self):
         if not 0.0 < self.ratio < 1.0:
@@ -76,6 +80,11 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"statistics must be 'compressed' or 'teacher', got {self.statistics!r}")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"allocation must be 'uniform' or 'global', got {self.allocation!r}")
+        if self.allocation_weighting not in ALLOCATION_WEIGHTINGS:
+            raise ValueError(f"unknown allocation weighting {self.allocation_weighting!r}; "
+                             f"choose from {', '.join(ALLOCATION_WEIGHTINGS)}")
+        if self.allocation_gradient_blocks < 1:
+            raise ValueError(f"allocation_gradient_blocks must be >= 1, got {self.allocation_gradient_blocks}")
         if self.mlp_algorithm not in ("streaming", "auxiliary"):
             raise ValueError(f"mlp_algorithm must be 'streaming' or 'auxiliary', got {self.mlp_algorithm!r}")
         if not 0.0 <= self.allocation_min_keep < 1.0 - self.ratio + 1e-12:

@@ -177,3 +177,4 @@ def test_bench_cli_rejects_bad_contexts(tmp_path):
 
 def test_unique_labels_allow_benching_a_model_against_itself():
     assert unique_labels(["a", "b", "a", "a"]) == ["a", "b", "a#2", "a#3"]
+

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from retrofitter.config import CompressConfig
+from retrofitter.adapters import adapter_for
+from retrofitter.config import ALLOCATION_WEIGHTINGS, CompressConfig
 from retrofitter.linalg.ranks import factor_param_count
-from retrofitter.pipelines.allocation import RankItem, allocate_ranks
+from retrofitter.pipelines.allocation import WEIGHTINGS, RankItem, allocate_ranks, output_gradient_importance
 from retrofitter.pipelines.compress import compress_model
 
-from tiny_models import TINY_VOCAB, build_tiny
+from tiny_models import TINY_VOCAB, strong_tiny
 
 
 def items():
@@ -48,22 +49,13 @@ def test_minimum_ranks_over_budget_raise():
         allocate_ranks(items(), budget=1e4, weighting="nope")
 
 
-def strong_tiny():
-    model = build_tiny("llama")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and ".layers." in name:
-                param.mul_(8)
-    return model
-
-
 def test_global_beats_uniform_on_calibration_loss_at_same_budget():
     tokens = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
-    reference = strong_tiny()(tokens).logits
+    reference = strong_tiny("llama")(tokens).logits
     results = {}
     for allocation in ("uniform", "global"):
         config = CompressConfig(method="latentllm", ratio=0.4, allocation=allocation, batch_size=4)
-        model, report = compress_model(strong_tiny(), config, tokens, progress=False)
+        model, report = compress_model(strong_tiny("llama"), config, tokens, progress=False)
         with torch.no_grad():
             results[allocation] = (float((model(tokens).logits - reference).pow(2).mean()),
                                    report["targets_params_after"], report)
@@ -71,3 +63,75 @@ def test_global_beats_uniform_on_calibration_loss_at_same_budget():
     assert results["global"][1] <= 0.6 * dense  # same budget: (1 − ratio) of the dense parameters
     assert results["global"][1] >= results["uniform"][1] - 64  # and uses it (uniform rounds ranks down)
     assert results["global"][0] < results["uniform"][0]
+
+
+def test_weighting_names_match_the_config():
+    assert tuple(WEIGHTINGS) == ALLOCATION_WEIGHTINGS
+    with pytest.raises(ValueError, match="unknown allocation weighting 'nope'"):
+        CompressConfig(allocation_weighting="nope")
+
+
+def test_fisher_weighting_gives_ranks_to_the_matrix_the_loss_is_sensitive_to():
+    spectrum = torch.exp(-0.2 * torch.arange(32, dtype=torch.float64))
+    plan = allocate_ranks({"sensitive": RankItem(32, 32, spectrum, importance=10.0),
+                           "insensitive": RankItem(32, 32, spectrum, importance=0.1)}, budget=1000, weighting="fisher")
+    assert plan["sensitive"] > plan["insensitive"]
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_output_gradient_importance_matches_autograd_reference(family):
+    """f_m from backward hooks == Σ‖∂L/∂y_m‖² / (T d'_m) computed with retain_grad on every output (float64)."""
+    torch.manual_seed(0)
+    model = strong_tiny(family, dtype=torch.float64)
+    adapter = adapter_for(model)
+    tokens = torch.randint(3, TINY_VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
+    targets = list(adapter.linear_names)
+    fast = output_gradient_importance(model, adapter, tokens, targets, n_blocks=2)
+
+    outputs, handles = {}, []
+    for index, layer in enumerate(adapter.decoder_layers(model)):
+        for name in targets:
+            def keep(_module, _args, output, key=(index, name)):
+                output.retain_grad()
+                outputs.setdefault(key, []).append(output)
+            handles.append(adapter.get_linear(layer, name).register_forward_hook(keep))
+    for p in model.parameters():
+        p.requires_grad_(True)  # the reference differentiates through the weights instead
+    for row in tokens[:2]:
+        ids = row.unsqueeze(0)
+        logits = model(input_ids=ids).logits[:, :-1]
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                          reduction="sum").backward()
+    for handle in handles:
+        handle.remove()
+    n_tokens = 2 * 15
+    for key, tensors in outputs.items():
+        d_out = tensors[0].shape[-1]
+        reference = sum(float(t.grad.pow(2).sum()) for t in tensors) / (n_tokens * d_out)
+        assert fast[key] == pytest.approx(reference, rel=1e-9), key
+    assert all(not p.requires_grad or p.grad is not None for p in model.parameters())
+
+
+def test_fisher_allocation_compresses_within_budget_and_sets_ranks_non_uniformly():
+    tokens = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    config = CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global", allocation_weighting="fisher",
+                            allocation_gradient_blocks=2, batch_size=4)
+    model, report = compress_model(strong_tiny("llama"), config, tokens, progress=False)
+    assert report["targets_params_after"] <= 0.6 * report["targets_params_before"]
+    importance = report["latentllm"]["output_gradient_importance"]
+    assert all(value > 0 for value in importance.values())
+    ranks = report["latentllm"]["ranks"]
+    assert len(set(ranks.values())) > 2
+    assert len(report["latentllm"]["keep_fraction_by_layer"]) == len(adapter_for(model).decoder_layers(model))
+
+
+def test_local_method_with_global_allocation_is_not_silently_uniform():
+    tokens = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    uniform = compress_model(strong_tiny("llama"), CompressConfig(method="asvd-rootcov", ratio=0.4, batch_size=4),
+                             tokens, progress=False)[1]
+    global_ = compress_model(strong_tiny("llama"), CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global",
+                                                                 batch_size=4), tokens, progress=False)[1]
+    uniform_ranks = {f"{r['layer']}.{n}": e["rank"] for r in uniform["layers"] for n, e in r["matrices"].items()}
+    global_ranks = {f"{r['layer']}.{n}": e["rank"] for r in global_["layers"] for n, e in r["matrices"].items()}
+    assert uniform_ranks.keys() == global_ranks.keys() and uniform_ranks != global_ranks
+    assert global_["method"] == "asvd-rootcov"

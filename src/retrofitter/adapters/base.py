@@ -135,9 +135,13 @@ class ModelAdapter:
         """Dotted module path of a projection inside the CausalLM (e.g. for ``get_submodule``)."""
         return f"{self.decoder_path}.{layer_index}.{self.linear_paths[name]}"
 
+    def input_embedding(self, model: nn.Module) -> nn.Module:
+        """The token embedding module (its output is the residual stream entering layer 0)."""
+        return model.get_input_embeddings()
+
     def embedding_modules(self, model: nn.Module) -> list[nn.Module]:
         """Token (and learned position) embeddings and the LM head, for parameter accounting."""
-        modules = [model.get_input_embeddings()]
+        modules = [self.input_embedding(model)]
         head = model.get_output_embeddings()
         if head is not None:
             modules.append(head)

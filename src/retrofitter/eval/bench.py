@@ -11,7 +11,7 @@ For each repetition ``r`` (``warmup`` discarded ones first, then ``repeats``) an
   reached the streamer (after a device sync);
 * **peak memory** of each measurement above its starting point: CUDA ``max_memory_allocated`` on a
   GPU, otherwise the process RSS sampled by a background thread (torch's CPU allocator bypasses
-  ``tracemalloc``), in MiB, the maximum over the timed repetitions (the warm-up is excluded: it
+  ``tracemalloc``) after the C heap's free pages went back to the OS (``malloc_trim``), in MiB, the maximum over the timed repetitions (the warm-up is excluded: it
   also pages in memory-mapped weights);
 * **cache bytes** at each context, measured once per model: the bytes of every tensor reachable from
   the cache object returned by a prefill of ``n`` tokens (attributes, lists, dicts and layers, walked
@@ -29,7 +29,6 @@ import datetime
 import os
 import platform
 import statistics
-import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -37,10 +36,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .resources import sampled_rss
+
 __all__ = ["bench_models", "bench_notes", "bench_rows", "cache_nbytes", "format_bench_table", "format_bytes",
            "machine_info", "unique_labels"]
 
-_RSS_SAMPLE_INTERVAL_S = 0.002
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,27 +112,10 @@ def _peak_memory(device: torch.device, record: dict) -> Iterator[None]:
             _sync(device)
             record["peak_mb"] = (torch.cuda.max_memory_allocated(device) - start) / 2**20
         return
-    import psutil
-
-    process = psutil.Process()
-    start = process.memory_info().rss
-    peak = [start]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            stop.wait(_RSS_SAMPLE_INTERVAL_S)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    sampled: dict = {}
+    with sampled_rss(sampled):
         yield
-    finally:
-        stop.set()
-        sampler.join()
-        peak[0] = max(peak[0], process.memory_info().rss)
-        record["peak_mb"] = (peak[0] - start) / 2**20
+    record["peak_mb"] = sampled["delta_mb"]
 
 
 class _TokenTimer:

@@ -13,13 +13,21 @@ until no step fits, so the plan uses the budget up to less than one rank step of
 The gain weighting w (``WEIGHTINGS``) decides how errors of different matrices are compared:
 ``relative`` σ²/Σσ² (each matrix's relative output error counts the same), ``absolute`` σ²/E‖x_0‖²
 (output error energy, normalised by the model's input energy only), ``sqrt_relative`` (relative error
-gains flattened by a square root: a compromise that spreads ranks more evenly).
+gains flattened by a square root: a compromise that spreads ranks more evenly), ``fisher`` f_m σ²:
+the output error energy priced by how much the loss reacts to that matrix's output,
+
+    f_m = Σ_t ‖∂L/∂y_{m,t}‖² / (T · d'_m),   L = Σ_t −log p(u_{t+1} | u_{≤t})  (summed, T tokens)
+
+so that, with the isotropic empirical-Fisher approximation E[δyᵀ F δy] ≈ f_m E‖δy‖², the gain of a
+rank step estimates the loss increase (nats per token, up to a common factor ½) it prevents. f_m
+comes from a few backward passes of the original model (``allocation_gradient_blocks`` blocks).
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,29 +47,36 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RankItem:
-    """One matrix: input/output dims and σ² of W C^{1/2} (float64, descending)."""
+    """One matrix: input/output dims, σ² of W C^{1/2} (float64, descending) and its loss sensitivity
+    ``importance`` f_m (mean squared loss gradient per output coordinate; used by ``fisher``)."""
 
     d_in: int
     d_out: int
     energies: torch.Tensor
+    importance: float = 1.0
 
 
-def _relative(energies: torch.Tensor, _scale: float) -> torch.Tensor:
-    return energies / energies.sum().clamp_min(torch.finfo(energies.dtype).tiny)
+def _relative(item: RankItem, _scale: float) -> torch.Tensor:
+    return item.energies / item.energies.sum().clamp_min(torch.finfo(item.energies.dtype).tiny)
 
 
-def _absolute(energies: torch.Tensor, scale: float) -> torch.Tensor:
-    return energies / scale
+def _absolute(item: RankItem, scale: float) -> torch.Tensor:
+    return item.energies / scale
 
 
-def _sqrt_relative(energies: torch.Tensor, _scale: float) -> torch.Tensor:
-    return _relative(energies, _scale).sqrt()
+def _sqrt_relative(item: RankItem, scale: float) -> torch.Tensor:
+    return _relative(item, scale).sqrt()
 
 
-WEIGHTINGS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+def _fisher(item: RankItem, _scale: float) -> torch.Tensor:
+    return item.energies * item.importance
+
+
+WEIGHTINGS: dict[str, Callable[[RankItem, float], torch.Tensor]] = {
     "relative": _relative,
     "absolute": _absolute,
     "sqrt_relative": _sqrt_relative,
+    "fisher": _fisher,
 }
 
 
@@ -83,7 +98,7 @@ def allocate_ranks(items: dict, budget: float, junction: bool = True, weighting:
     used = sum(factor_param_count(item.d_in, item.d_out, ranks[key], junction) for key, item in items.items())
     if used > budget:
         raise ValueError(f"the minimum ranks alone need {used} parameters, more than the budget {budget:.0f}")
-    gains = {key: WEIGHTINGS[weighting](item.energies.to(torch.float64), scale).tolist() for key, item in items.items()}
+    gains = {key: WEIGHTINGS[weighting](item, scale).to(torch.float64).tolist() for key, item in items.items()}
     limits = {key: min(max_useful_rank(item.d_in, item.d_out, junction), len(gains[key])) for key, item in items.items()}
     heap: list = []
 
@@ -111,11 +126,69 @@ def weighted_spectra(weight: torch.Tensor, moment: torch.Tensor, damping: float)
     return torch.linalg.svdvals(weight.detach().to(root) @ root).pow(2)
 
 
+def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Tensor, targets: list[str],
+                               n_blocks: int) -> dict:
+    """f_m = Σ_t ‖∂L/∂y_{m,t}‖² / (T · d'_m) for every (layer index, name) in ``targets`` (module docstring).
+
+    Backward passes (one block at a time) over the first ``n_blocks`` rows of ``calibration``
+    [n, seq_len] with the summed next-token loss; weights stay frozen: only the embedding output
+    requires a gradient, which is enough for every projection output to get one.
+    """
+    blocks = calibration[: max(1, n_blocks)]
+    layers = adapter.decoder_layers(model)
+    sums: dict = {(index, name): 0.0 for index in range(len(layers)) for name in targets}
+    tokens = 0
+    handles = []
+
+    def watch(key, d_out):
+        def forward_hook(_module, _args, output):
+            if output.requires_grad:
+                output.register_hook(lambda grad: sums.__setitem__(
+                    key, sums[key] + float(grad.detach().to(torch.float64).pow(2).sum()) / d_out))
+        return forward_hook
+
+    for index, layer in enumerate(layers):
+        for name in targets:
+            linear = adapter.get_linear(layer, name)
+            handles.append(linear.register_forward_hook(watch((index, name), linear.out_features)))
+    handles.append(adapter.input_embedding(model).register_forward_hook(
+        lambda _module, _args, output: output.detach().requires_grad_(True)))
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.enable_grad():
+            for row in blocks:
+                ids = row.unsqueeze(0).to(device)
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                         reduction="sum")
+                loss.backward()
+                tokens += ids.shape[1] - 1
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    bad = [key for key, value in sums.items() if not math.isfinite(value)]
+    if bad:
+        raise FloatingPointError(f"non-finite loss gradient at the output of layer {bad[0][0]} {bad[0][1]!r}")
+    return {key: value / tokens for key, value in sums.items()}
+
+
 @torch.no_grad()
 def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: LayerStream,
-                targets: list[str]) -> tuple[dict, dict]:
-    """One teacher pass over all layers → weighted spectra → greedy plan. Returns (plan, report)."""
+                targets: list[str], calibration: torch.Tensor | None = None) -> tuple[dict, dict]:
+    """One teacher pass over all layers → weighted spectra → greedy plan. Returns (plan, report).
+
+    ``calibration`` (token blocks) is needed by the ``fisher`` weighting (its backward passes).
+    """
     layers = adapter.decoder_layers(model)
+    importance = {}
+    if config.allocation_weighting == "fisher":
+        if calibration is None:
+            raise ValueError("the 'fisher' allocation weighting needs the calibration token blocks")
+        importance = output_gradient_importance(model, adapter, calibration, targets, config.allocation_gradient_blocks)
     leader_of = {name: group[0] for group in adapter.linear_groups for name in group}
     items: dict = {}
     dense_total = 0
@@ -130,7 +203,8 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
             accumulator = moments[leader_of[name]]
             moment = accumulator.covariance() if linear.bias is not None else accumulator.second_moment
             items[(index, name)] = RankItem(linear.in_features, linear.out_features,
-                                            weighted_spectra(linear.weight, moment, config.damping))
+                                            weighted_spectra(linear.weight, moment, config.damping),
+                                            importance.get((index, name), 1.0))
             dense_total += linear.in_features * linear.out_features
         stream = stream.advance(layer)
     budget = (1.0 - config.ratio) * dense_total
@@ -147,4 +221,19 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
         keep_by_name[name] = kept / sum(items[k].d_in * items[k].d_out for k in keys)
     log.info("global allocation: %d of %.0f budget parameters; keep fraction by projection %s", used, budget,
              {k: round(v, 3) for k, v in keep_by_name.items()})
-    return plan, {"allocation_budget": budget, "allocation_used": used, "keep_fraction_by_projection": keep_by_name}
+    report = {"allocation_budget": budget, "allocation_used": used, "keep_fraction_by_projection": keep_by_name,
+              "keep_fraction_by_layer": _keep_by_layer(items, plan, config.junction)}
+    if importance:
+        report["output_gradient_importance"] = {f"{i}.{n}": f for (i, n), f in sorted(importance.items())}
+    return plan, report
+
+
+def _keep_by_layer(items: dict, plan: dict, junction: bool) -> list[float]:
+    """Fraction of each layer's dense target parameters that the plan keeps."""
+    layers = sorted({index for index, _ in items})
+    result = []
+    for layer in layers:
+        keys = [k for k in items if k[0] == layer]
+        kept = sum(factor_param_count(items[k].d_in, items[k].d_out, plan[k], junction) for k in keys)
+        result.append(kept / sum(items[k].d_in * items[k].d_out for k in keys))
+    return result

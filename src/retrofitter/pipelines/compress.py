@@ -14,6 +14,7 @@ Peak memory ≈ model + one layer's statistics + the calibration activations at 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -93,10 +94,18 @@ def _fingerprint(model: nn.Module, config: CompressConfig, calibration: torch.Te
 @torch.no_grad()
 def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
                    checkpoint_dir=None) -> tuple[nn.Module, dict]:
-    """Compress ``model`` in place; returns ``(model, report)`` (see module docstring)."""
-    if config.method == "latentllm":
+    """Compress ``model`` in place; returns ``(model, report)`` (see module docstring).
+
+    ``method="latentllm"`` and every ``allocation="global"`` run go through pipelines/latentllm.py
+    (the global plan needs a pass over all layers first); a local method with a global allocation
+    runs there with all joint decompositions off, i.e. local factors with globally allocated ranks.
+    """
+    if config.method == "latentllm" or config.allocation == "global":
         from .latentllm import compress_latentllm
 
+        if config.method != "latentllm":
+            config = dataclasses.replace(config, joint_qk=False, joint_vo=False, joint_mlp=False,
+                                         latent_attention=False)
         return compress_latentllm(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir)
     start = time.perf_counter()
     adapter = adapter_for(model)

@@ -318,7 +318,7 @@ def compress_latentllm(model: nn.Module, config: CompressConfig, calibration: to
     if config.allocation == "global":
         from .allocation import global_plan
 
-        plan, allocation_report = global_plan(model, adapter, config, stream, targets)
+        plan, allocation_report = global_plan(model, adapter, config, stream, targets, calibration)
     else:
         plan = plan_ranks(model, config)
     timings["allocation"] = time.perf_counter() - t0
