@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import platform
@@ -35,7 +36,10 @@ from retrofitter.data.corpora import load_text
 from retrofitter.eval.accounting import account
 from retrofitter.eval.perplexity import perplexity
 from retrofitter.eval.resources import peak_rss_mb, sampled_rss
-from retrofitter.pipelines.compress import collect_teacher_moments, compress_model, compress_with_moments
+from retrofitter.adapters import adapter_for
+from retrofitter.pipelines.allocation import output_gradient_importance, plan_from_items
+from retrofitter.pipelines.compress import (collect_teacher_moments, compress_model, compress_with_moments,
+                                            weighted_spectra_from_cache)
 
 METHODS = ["svd", "asvd-hessian", "asvd-l2", "asvd-cov", "asvd-rootcov", "svd-llm"]
 
@@ -90,11 +94,14 @@ def main() -> None:
     parser.add_argument("--max-eval-tokens", type=int, default=16384)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--no-sequential", action="store_true", help="skip the sequential-statistics rootcov rows")
+    parser.add_argument("--global-weightings", default="relative,fisher",
+                        help="asvd-rootcov with global allocation under these weightings ('' to skip)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compress_methods"))
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     methods = [m for m in args.methods.split(",") if m]
     corpora = [c for c in args.eval.split(",") if c]
+    global_weightings = [w for w in args.global_weightings.split(",") if w]
 
     started = time.perf_counter()
     original, tokenizer = load_model(args.model)
@@ -142,8 +149,40 @@ def main() -> None:
                 print(markdown(rows[-1:], corpora).splitlines()[-1], flush=True)
                 write_results(args, rows, corpora, calibration, eval_blocks, started, statistics_seconds)
                 del model
+            if method == "asvd-rootcov" and global_weightings:
+                # Global allocation on the same teacher statistics: the cached SVDs' singular values are the
+                # exact rootcov error spectra, so every global plan costs only a truncation + evaluation.
+                spectra_config = CompressConfig(method=method, statistics="teacher")
+                base_items = weighted_spectra_from_cache(original, spectra_config, svd_cache)
+                importance, gradient_seconds = None, 0.0
+                if "fisher" in global_weightings:
+                    t0 = time.perf_counter()
+                    importance = output_gradient_importance(original, adapter_for(original), calibration,
+                                                            list(adapter_for(original).linear_names), 8)
+                    gradient_seconds = time.perf_counter() - t0
+                scale = float(torch.diagonal(moments[0][adapter_for(original).linear_names[0]].second_moment).sum())
+                for weighting in global_weightings:
+                    for ratio in method_ratios:
+                        config = CompressConfig(ratio=ratio, method=method, statistics="teacher", allocation="global",
+                                                allocation_weighting=weighting)
+                        items = {k: dataclasses.replace(v, importance=(importance or {}).get(k, 1.0))
+                                 for k, v in base_items.items()}
+                        t0 = time.perf_counter()
+                        plan, plan_report = plan_from_items(items, config, scale, importance)
+                        model = copy.deepcopy(original)
+                        compress_with_moments(model, config, moments, svd_cache=svd_cache, plan=plan)
+                        fit_seconds = time.perf_counter() - t0 + (gradient_seconds if weighting == "fisher" else 0.0)
+                        ppl = evaluate_ppl(model, eval_blocks, 4)
+                        rows.append(row(f"{method}-global-{weighting}@{ratio}", method, ratio, model, before, ppl,
+                                        statistics_seconds + first_call_seconds + fit_seconds,
+                                        f"teacher, global {weighting}", fit_seconds=fit_seconds))
+                        rows[-1]["keep_fraction_by_projection"] = plan_report["keep_fraction_by_projection"]
+                        rows[-1]["keep_fraction_by_layer"] = plan_report["keep_fraction_by_layer"]
+                        print(markdown(rows[-1:], corpora).splitlines()[-1], flush=True)
+                        write_results(args, rows, corpora, calibration, eval_blocks, started, statistics_seconds)
+                        del model
         for r in rows:
-            if r["method"] == method and r["note"] != "sequential":
+            if r["method"] == method and r["note"] != "sequential" and "method_peak_rss_mb" not in r:
                 r["method_peak_rss_mb"] = memory["peak_mb"]
         del svd_cache
     if not args.no_sequential:
@@ -167,7 +206,8 @@ def main() -> None:
 def write_results(args, rows, corpora, calibration, eval_blocks, started, statistics_seconds, final=False) -> None:
     """(Re)write the JSON and markdown table; called after every row so an interrupted run keeps its rows."""
     order = {m: i for i, m in enumerate(["original", *METHODS])}
-    rows = sorted(rows, key=lambda r: (r["ratio"] or 0.0, r["note"] == "sequential", order.get(r["method"], 99)))
+    rows = sorted(rows, key=lambda r: (r["ratio"] or 0.0, r["note"] == "sequential", "global" in r["note"],
+                                       order.get(r["method"], 99), r["note"]))
     settings = {"model": args.model, "calib": "wiki-calib", "calib_samples": int(calibration.shape[0]),
                 "seq_len": args.seq_len, "eval": corpora, "max_eval_tokens": args.max_eval_tokens,
                 "eval_tokens": {c: int(b.numel()) for c, b in eval_blocks.items()},

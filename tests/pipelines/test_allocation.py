@@ -135,3 +135,28 @@ def test_local_method_with_global_allocation_is_not_silently_uniform():
     global_ranks = {f"{r['layer']}.{n}": e["rank"] for r in global_["layers"] for n, e in r["matrices"].items()}
     assert uniform_ranks.keys() == global_ranks.keys() and uniform_ranks != global_ranks
     assert global_["method"] == "asvd-rootcov"
+
+
+def test_spectra_from_cached_svds_equal_the_stream_spectra_and_drive_a_global_plan():
+    from retrofitter.pipelines.allocation import plan_from_items, weighted_spectra
+    from retrofitter.pipelines.compress import collect_teacher_moments, compress_with_moments, weighted_spectra_from_cache
+
+    tokens = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    original = strong_tiny("llama")
+    adapter = adapter_for(original)
+    moments = collect_teacher_moments(original, tokens, batch_size=4, progress=False)
+    config = CompressConfig(method="asvd-rootcov", ratio=0.4, statistics="teacher")
+    cache: dict = {}
+    compress_with_moments(strong_tiny("llama"), config, moments, svd_cache=cache)
+    items = weighted_spectra_from_cache(original, config, cache)
+    for (index, name), item in items.items():
+        linear = adapter.get_linear(adapter.decoder_layers(original)[index], name)
+        direct = weighted_spectra(linear.weight, moments[index][name].second_moment, config.damping)
+        torch.testing.assert_close(item.energies, direct, rtol=1e-8, atol=1e-10)
+    plan, report = plan_from_items(items, CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global"))
+    model, summary = compress_with_moments(strong_tiny("llama"), config, moments, svd_cache=cache, plan=plan)
+    assert summary["targets_params_after"] <= 0.6 * summary["targets_params_before"]
+    assert {f"{r['layer']}.{n}": e["rank"] for r in summary["layers"] for n, e in r["matrices"].items()} == \
+        {f"{i}.{n}": rank for (i, n), rank in plan.items()}
+    with pytest.raises(KeyError, match="no cached SVD"):
+        weighted_spectra_from_cache(original, CompressConfig(method="svd"), cache)

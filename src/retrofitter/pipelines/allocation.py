@@ -40,7 +40,8 @@ from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
 from .calibration import LayerStream, collect_input_moments
 
-__all__ = ["RankItem", "WEIGHTINGS", "allocate_ranks", "weighted_spectra", "global_plan"]
+__all__ = ["RankItem", "WEIGHTINGS", "allocate_ranks", "weighted_spectra", "global_plan", "plan_from_items",
+           "output_gradient_importance"]
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,6 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
         importance = output_gradient_importance(model, adapter, calibration, targets, config.allocation_gradient_blocks)
     leader_of = {name: group[0] for group in adapter.linear_groups for name in group}
     items: dict = {}
-    dense_total = 0
     scale = None
     for index, layer in enumerate(layers):
         leaders = {leader_of[n]: adapter.get_linear(layer, leader_of[n]) for n in targets}
@@ -205,17 +205,26 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
             items[(index, name)] = RankItem(linear.in_features, linear.out_features,
                                             weighted_spectra(linear.weight, moment, config.damping),
                                             importance.get((index, name), 1.0))
-            dense_total += linear.in_features * linear.out_features
         stream = stream.advance(layer)
-    budget = (1.0 - config.ratio) * dense_total
+    return plan_from_items(items, config, scale or 1.0, importance)
+
+
+def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, importance: dict | None = None
+                    ) -> tuple[dict, dict]:
+    """Greedy plan for ``items`` ((layer, name) -> RankItem) at ``config.ratio`` of their dense parameters.
+
+    Shared by :func:`global_plan` (spectra from one stream pass) and by callers that already hold the
+    weighted spectra (e.g. the singular values of cached rootcov SVDs). Returns ``(plan, report)``.
+    """
+    budget = (1.0 - config.ratio) * sum(item.d_in * item.d_out for item in items.values())
     min_ranks = None
     if config.allocation_min_keep > 0:
         min_ranks = {key: rank_for_keep_fraction(item.d_in, item.d_out, config.allocation_min_keep, config.junction)
                      for key, item in items.items()}
-    plan = allocate_ranks(items, budget, config.junction, config.allocation_weighting, min_ranks, scale or 1.0)
+    plan = allocate_ranks(items, budget, config.junction, config.allocation_weighting, min_ranks, scale)
     used = sum(factor_param_count(items[k].d_in, items[k].d_out, r, config.junction) for k, r in plan.items())
     keep_by_name = {}
-    for name in targets:
+    for name in sorted({name for _, name in items}):
         keys = [k for k in plan if k[1] == name]
         kept = sum(factor_param_count(items[k].d_in, items[k].d_out, plan[k], config.junction) for k in keys)
         keep_by_name[name] = kept / sum(items[k].d_in * items[k].d_out for k in keys)

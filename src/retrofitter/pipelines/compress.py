@@ -258,17 +258,18 @@ def collect_teacher_moments(model: nn.Module, calibration: torch.Tensor, batch_s
 
 
 def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dict[int, dict],
-                          svd_cache: dict | None = None) -> tuple[nn.Module, dict]:
+                          svd_cache: dict | None = None, plan: dict | None = None) -> tuple[nn.Module, dict]:
     """Local compression of every layer from precomputed (teacher) moments; returns ``(model, report)``.
 
     Pass the same ``svd_cache`` dict to several calls (other ratios of the same model and method) to
-    reuse each matrix's weighted SVD.
+    reuse each matrix's weighted SVD. ``plan`` ((layer, name) -> rank) overrides the uniform plan,
+    e.g. a global one from :func:`weighted_spectra_from_cache` + ``allocation.plan_from_items``.
     """
     start = time.perf_counter()
     adapter = adapter_for(model)
     targets = _targets(adapter, config)
     _check_weights_finite(model, adapter, targets)
-    plan = plan_ranks(model, config)
+    plan = plan_ranks(model, config) if plan is None else plan
     reports = []
     for index, layer in enumerate(adapter.decoder_layers(model)):
         t0 = time.perf_counter()
@@ -276,6 +277,27 @@ def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dic
         reports.append({"layer": index, "seconds": time.perf_counter() - t0, "matrices": entries})
     timings = {"factorization": time.perf_counter() - start, "total": time.perf_counter() - start}
     return model, _summary(model, adapter, config, plan, reports, timings)
+
+
+def weighted_spectra_from_cache(model: nn.Module, config: CompressConfig, svd_cache: dict) -> dict:
+    """(layer, name) -> ``allocation.RankItem`` from the singular values S of cached weighted SVDs.
+
+    For rootcov, S² is the exact output-error spectrum (allocation.py); ``svd_cache`` must hold every
+    target matrix (fill it with one ``compress_with_moments`` call at any ratio).
+    """
+    from .allocation import RankItem
+
+    adapter = adapter_for(model)
+    items = {}
+    for index, layer in enumerate(adapter.decoder_layers(model)):
+        for name in _targets(adapter, config):
+            key = (index, name, config.preconditioner, config.damping)
+            if key not in svd_cache:
+                raise KeyError(f"no cached SVD for layer {index} {name!r} ({config.preconditioner}, damping "
+                               f"{config.damping}); run compress_with_moments with this svd_cache first")
+            svd = svd_cache[key]
+            items[(index, name)] = RankItem(svd.Vh.shape[1], svd.U.shape[0], svd.S.pow(2))
+    return items
 
 
 class _Checkpoint:
