@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 from pathlib import Path
 
@@ -62,11 +63,18 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-contexts", default="512,2048,8176",
                         help="contexts of the decode benchmark ('' to skip); 8176 + 16 decoded = 8192 positions")
     parser.add_argument("--decode-tokens", type=int, default=15)
+    parser.add_argument("--seq-len", type=int, default=None, help="override the preset's training block length")
+    parser.add_argument("--transfer-tokens", type=int, default=None, help="override the preset's stage-1 tokens")
+    parser.add_argument("--lora-tokens", type=int, default=None, help="override the preset's stage-2 tokens")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     corpora = [c for c in args.corpora.split(",") if c]
     seq_lens = [int(n) for n in args.seq_lens.split(",") if n]
     config = LinearizeConfig.preset(args.preset)
+    overrides = {k: v for k, v in {"seq_len": args.seq_len, "transfer_tokens": args.transfer_tokens,
+                                    "lora_tokens": args.lora_tokens}.items() if v is not None}
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"model": args.model, "method": "lolcats", "preset": args.preset, "config": config.to_dict(),
                "eval_tokens_cap": args.eval_tokens, "ppl_by_stage": {}, "timings_s": {}}
