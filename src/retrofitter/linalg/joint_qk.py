@@ -27,7 +27,21 @@ from .moments import check_finite_matrix, damped
 from .preconditioners import symmetric_power
 from .tucker import factored_inner, tucker2_factored
 
-__all__ = ["JointQKFactors", "JointQKSolver", "rope_relative_rotations", "gqa_group_index"]
+__all__ = ["JointQKFactors", "JointQKSolver", "rope_relative_rotations", "gqa_group_index", "whitening"]
+
+
+def whitening(second_moment: torch.Tensor, d: int, damping: float, name: str, device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(C, R, R⁻¹) in float64 with R = (C + λ·mean(diag C)·I)^{1/2}, C the [d, d] input second moment.
+
+    The joint head solvers work on whitened weights R Wᵀ: ‖(W − Ŵ) x‖ in expectation = ‖(W − Ŵ) R‖_F.
+    """
+    if tuple(second_moment.shape) != (d, d):
+        raise ValueError(f"{name}: second moment {tuple(second_moment.shape)} does not match input dim {d}")
+    moment = second_moment.detach().to(device=device, dtype=torch.float64)
+    check_finite_matrix(moment, f"{name} (second moment)")
+    root, root_inv = symmetric_power(damped(moment, damping), 0.5)
+    return moment, root, root_inv
 
 
 def gqa_group_index(n_heads: int, n_kv_heads: int, device=None) -> torch.Tensor:
@@ -97,16 +111,11 @@ class JointQKSolver:
                 f"{name}: W_q {tuple(W_q.shape)} / W_k {tuple(W_k.shape)} do not match "
                 f"{n_heads} heads, {n_kv_heads} kv heads of dim {head_dim}"
             )
-        if tuple(second_moment.shape) != (d, d):
-            raise ValueError(f"{name}: second moment {tuple(second_moment.shape)} does not match input dim {d}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rank_q, self.rank_k, self.iterations = rank_q, rank_k, iterations
         self.W_q = W_q.detach().to(torch.float64)
         self.W_k = W_k.detach().to(device=self.W_q.device, dtype=torch.float64)
-        moment = second_moment.detach().to(device=self.W_q.device, dtype=torch.float64)
-        check_finite_matrix(moment, f"{name} (second moment)")
-        self.second_moment = moment
-        self.root, self.root_inv = symmetric_power(damped(moment, damping), 0.5)
+        self.second_moment, self.root, self.root_inv = whitening(second_moment, d, damping, name, self.W_q.device)
         self.group_index = gqa_group_index(n_heads, n_kv_heads, device=self.W_q.device)
         self.middles = None
         if rope_rotations is not None:

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .joint_qk import gqa_group_index
-from .moments import check_finite_matrix, damped
+from .joint_qk import gqa_group_index, whitening
 from .preconditioners import symmetric_power
 from .tucker import factored_inner, tucker2_factored
 
@@ -67,16 +66,11 @@ class JointVOSolver:
                 f"{name}: W_v {tuple(W_v.shape)} / W_o {tuple(W_o.shape)} do not match "
                 f"{n_heads} heads, {n_kv_heads} kv heads of dim {head_dim}"
             )
-        if tuple(second_moment.shape) != (d, d):
-            raise ValueError(f"{name}: second moment {tuple(second_moment.shape)} does not match input dim {d}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rank_v, self.rank_o, self.iterations = rank_v, rank_o, iterations
         self.W_v = W_v.detach().to(torch.float64)
         self.W_o = W_o.detach().to(device=self.W_v.device, dtype=torch.float64)
-        moment = second_moment.detach().to(device=self.W_v.device, dtype=torch.float64)
-        check_finite_matrix(moment, f"{name} (second moment)")
-        self.second_moment = moment
-        self.root, self.root_inv = symmetric_power(damped(moment, damping), 0.5)
+        self.second_moment, self.root, self.root_inv = whitening(second_moment, d, damping, name, self.W_v.device)
         self.group_index = gqa_group_index(n_heads, n_kv_heads, device=self.W_v.device)
 
     def _output_heads(self, weight: torch.Tensor) -> torch.Tensor:
