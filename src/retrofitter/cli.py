@@ -196,7 +196,7 @@ def cmd_compress(args) -> int:
     from .data.blocks import token_blocks
     from .data.corpora import load_text
     from .eval.accounting import account
-    from .eval.resources import peak_rss_mb
+    from .eval.resources import current_rss_mb, peak_rss_mb
     from .eval.table import format_results_table
     from .pipelines.compress import CalibrationError
 
@@ -219,12 +219,14 @@ def cmd_compress(args) -> int:
         raise CalibrationError(f"calibration corpus {args.calib!r} gives only {calibration.shape[0]} blocks of "
                                f"{args.seq_len} tokens; --calib-samples asks for {args.calib_samples}")
     before = account(model)
+    memory = {"after_load": current_rss_mb()}
     if args.measure_cost:
         from .eval.perplexity import perplexity
 
         t0 = time.perf_counter()
         perplexity(model, calibration, batch_size=args.batch_size, progress=False)
         timings["calibration_forward"] = time.perf_counter() - t0
+        memory["after_calibration_forward"] = current_rss_mb()
     checkpoint_dir = args.out.parent / f".{args.out.name}.partial"
     model, report = compress(model, config, calibration, progress=not args.quiet, checkpoint_dir=checkpoint_dir)
     timings["compress"] = report["timings_s"]["total"]
@@ -256,7 +258,9 @@ def cmd_compress(args) -> int:
     results["peak_rss_mb"] = peak_rss_mb()
     results["compress_peak_rss_mb"] = compress_peak
     fp32_mb = before.params_total * 4 / 2**20
-    results["cost"] = {"peak_rss_over_fp32_model": compress_peak / fp32_mb}
+    results["cost"] = {"peak_rss_over_fp32_model": compress_peak / fp32_mb, "fp32_model_mb": fp32_mb,
+                       "rss_mb": {**memory, "after_capture": report.get("rss_after_capture_mb"),
+                                  "after_each_layer": [r.get("rss_mb") for r in report["layers"]]}}
     if "calibration_forward" in timings:
         results["cost"]["compress_over_calibration_forward"] = timings["compress"] / timings["calibration_forward"]
     results["layers"] = report["layers"]
@@ -337,7 +341,7 @@ def cmd_linearize(args) -> int:
     from .data.blocks import token_blocks
     from .data.corpora import load_text
     from .eval.accounting import account
-    from .eval.resources import peak_rss_mb
+    from .eval.resources import current_rss_mb, peak_rss_mb
     from .eval.table import format_results_table
 
     prepare_output_dir(args.out, args.overwrite)  # fail before any work

@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["peak_rss_mb", "release_free_heap_memory", "sampled_rss", "timed"]
+__all__ = ["current_rss_mb", "peak_rss_mb", "release_free_heap_memory", "sampled_rss", "timed"]
 
 RSS_SAMPLE_INTERVAL_S = 0.002
 
@@ -18,6 +18,13 @@ def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now, in MiB."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
 from ..config import CompressConfig
-from ..eval.resources import peak_rss_mb
+from ..eval.resources import current_rss_mb, peak_rss_mb
 from ..linalg.ranks import rank_for_keep_fraction
 from ..linalg.svd import bias_compensation, build_preconditioner, proxy_error, weighted_svd
 from ..modules.latent_linear import LatentLinear
@@ -127,6 +127,7 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
     t0 = time.perf_counter()
     stream = capture_stream(model, adapter, calibration, config.batch_size)
     timings["capture"] += time.perf_counter() - t0
+    rss_after_capture = current_rss_mb()
     first_layer = 0
     layer_reports: list[dict] = []
     if checkpoint is not None:
@@ -158,7 +159,9 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
         t0 = time.perf_counter()
         stream = next_stream if teacher_mode else stream.advance(layer)
         timings["propagation"] += time.perf_counter() - t0
-        layer_reports.append({"layer": index, "seconds": time.perf_counter() - layer_start, "matrices": entries})
+        # RSS after each layer: with the process peak it locates where compression holds its memory
+        layer_reports.append({"layer": index, "seconds": time.perf_counter() - layer_start, "matrices": entries,
+                              "rss_mb": current_rss_mb()})
         mean_error = sum(e["proxy_error"] for e in entries.values()) / max(1, len(entries))
         log.info("layer %d: mean proxy error %.4f, %.1fs", index, mean_error, time.perf_counter() - layer_start)
         bar.set_postfix(proxy=f"{mean_error:.3f}")
@@ -167,6 +170,7 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
     bar.close()
     timings["total"] = time.perf_counter() - start
     report = _summary(model, adapter, config, plan, layer_reports, timings)
+    report["rss_after_capture_mb"] = rss_after_capture
     if checkpoint is not None:
         checkpoint.finish()
     return model, report
