@@ -10,6 +10,8 @@ Variants ("parts"), each at every ratio, same total linear-parameter budget:
     latentllm         default latentllm (joint QK + joint UD), uniform allocation
     rootcov_global    local rootcov parts, global allocation (allocation alone)
     latentllm_global  latentllm with global allocation
+    rootcov_global_fisher    local rootcov, global allocation priced by loss gradients ("fisher")
+    latentllm_global_fisher  latentllm, global "fisher" allocation
     qk_sweep          q,k only, QK iterations 1..8 at the first ratio: mean score error vs perplexity
 
     python benchmarks/compress_ablation.py --ratios 0.2 --parts rootcov,latentllm,latentllm_global
@@ -45,6 +47,8 @@ PARTS: dict[str, dict] = {
     "latentllm": dict(method="latentllm"),
     "rootcov_global": dict(method="latentllm", joint_qk=False, joint_mlp=False, allocation="global"),
     "latentllm_global": dict(method="latentllm", allocation="global"),
+    "rootcov_global_fisher": dict(method="asvd-rootcov", allocation="global", allocation_weighting="fisher"),
+    "latentllm_global_fisher": dict(method="latentllm", allocation="global", allocation_weighting="fisher"),
 }
 RESULTS = Path(__file__).parent / "results"
 
@@ -107,7 +111,10 @@ def main() -> None:
     parser.add_argument("--qk-iterations", default="1,2,4,8")  # tucker2 needs >= 1
     parser.add_argument("--skip-original", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "compress_ablation.json"))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
     parts = args.parts.split(",")
     unknown = [p for p in parts if p not in PARTS and p != "qk_sweep"]
