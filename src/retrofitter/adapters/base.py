@@ -135,6 +135,12 @@ class ModelAdapter:
         """Dotted module path of a projection inside the CausalLM (e.g. for ``get_submodule``)."""
         return f"{self.decoder_path}.{layer_index}.{self.linear_paths[name]}"
 
+    def mlp_intermediate(self) -> tuple[tuple[str, ...], str]:
+        """(producers, consumer) of the MLP's intermediate channels: the projections writing them
+        (gate/up, fc1: ``linear_groups[-2]``) and the one reading them (down, fc2: ``linear_groups[-1]``).
+        Only elementwise operations sit in between, so permuting those channels is exact."""
+        return self.linear_groups[-2], self.linear_groups[-1][0]
+
     def input_embedding(self, model: nn.Module) -> nn.Module:
         """The token embedding module (its output is the residual stream entering layer 0)."""
         return model.get_input_embeddings()

@@ -58,6 +58,8 @@ class LatentLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, **factory))
         else:
             self.register_parameter("bias", None)
+        self._pivots_lead: bool | None = None  # cached pivots_lead(); None = not yet checked
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_layout())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -91,6 +93,7 @@ class LatentLinear(nn.Module):
                 module.mix.copy_(factors.mix)
                 module.pivot_index.copy_(factors.pivot_index)
                 module.rest_index.copy_(factors.rest_index)
+                module.refresh_layout()
             else:
                 module.up.copy_(B)
                 module.down.copy_(A)
@@ -142,13 +145,42 @@ class LatentLinear(nn.Module):
         )
 
     # ------------------------------------------------------------------ execution
+    def refresh_layout(self) -> None:
+        """Forget the cached :meth:`pivots_lead` (call after changing the index buffers in place)."""
+        self._pivots_lead = None
+
+    def pivots_lead(self) -> bool:
+        """True when pivot_index = 0..r−1 and rest_index = r..d−1 (junction form only).
+
+        Then x splits into two slices x[..., :r], x[..., r:] (views) instead of two gathers, and
+        z = x[..., :r] + x[..., r:] mixᵀ is one addmm. ``adapters.mlp_permutation`` arranges this for
+        the MLP's down projection by permuting the intermediate channels (an exact reparametrisation).
+        """
+        if not self.junction:
+            return False
+        if self._pivots_lead is None:
+            rank = self.rank
+            self._pivots_lead = bool(
+                torch.equal(self.pivot_index.cpu(), torch.arange(rank))
+                and torch.equal(self.rest_index.cpu(), torch.arange(rank, self.in_features))
+            )
+        return self._pivots_lead
+
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """z = down x  [..., r] (the compressed representation of x [..., d])."""
         if self.junction:
-            pivot_part = x.index_select(-1, self.pivot_index)  # [..., r]
-            rest_part = x.index_select(-1, self.rest_index)  # [..., d − r]
-            return pivot_part + F.linear(rest_part, self.mix)
+            if self.pivots_lead():
+                flat = x.reshape(-1, self.in_features)  # a view for contiguous x
+                z = torch.addmm(flat[:, : self.rank], flat[:, self.rank :], self.mix.T)
+                return z.reshape(*x.shape[:-1], self.rank)
+            return self.latent_gathered(x)
         return F.linear(x, self.down)
+
+    def latent_gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """z = x[piv] + mix · x[rest] with explicit gathers: any pivot set (and the reference of the slice path)."""
+        pivot_part = x.index_select(-1, self.pivot_index)  # [..., r]
+        rest_part = x.index_select(-1, self.rest_index)  # [..., d − r]
+        return pivot_part + F.linear(rest_part, self.mix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.latent(x), self.up, self.bias)

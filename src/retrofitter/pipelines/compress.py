@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
+from ..adapters.mlp_permutation import lead_mlp_pivots
 from ..config import CompressConfig
 from ..eval.resources import current_rss_mb, peak_rss_mb
 from ..linalg.ranks import rank_for_keep_fraction
@@ -168,9 +169,11 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
         if checkpoint is not None:
             checkpoint.save_layer(index, layer, stream, layer_reports)
     bar.close()
+    mlp_layers_sliced = lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
     timings["total"] = time.perf_counter() - start
     report = _summary(model, adapter, config, plan, layer_reports, timings)
     report["rss_after_capture_mb"] = rss_after_capture
+    report["mlp_layers_with_leading_pivots"] = mlp_layers_sliced
     if checkpoint is not None:
         checkpoint.finish()
     return model, report
@@ -279,6 +282,7 @@ def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dic
         t0 = time.perf_counter()
         entries = compress_layer(adapter, layer, index, targets, plan, config, moments[index], svd_cache)
         reports.append({"layer": index, "seconds": time.perf_counter() - t0, "matrices": entries})
+    lead_mlp_pivots(model)
     timings = {"factorization": time.perf_counter() - start, "total": time.perf_counter() - start}
     return model, _summary(model, adapter, config, plan, reports, timings)
 

@@ -36,6 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
+from ..adapters.mlp_permutation import lead_mlp_pivots
 from ..config import CompressConfig
 from ..linalg.joint_mlp import ACTIVATIONS, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
 from ..linalg.joint_qk import JointQKSolver
@@ -346,6 +347,7 @@ def compress_latentllm(model: nn.Module, config: CompressConfig, calibration: to
         if checkpoint is not None:
             checkpoint.save_layer(index, layer, stream, layer_reports)
     bar.close()
+    lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
     timings["layers"] = time.perf_counter() - start - timings["capture"] - timings["allocation"]
     if config.latent_attention and all(n in targets for n in ("k", "v")):
         from ..adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
