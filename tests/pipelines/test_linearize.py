@@ -94,6 +94,36 @@ def test_lora_stage_trains_merges_and_leaves_feature_maps_alone():
         assert float(block_nll(merged, blocks()).sum()) < nll_before  # the merged model fits its training data better
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_chunked_next_token_loss_equals_hf_labels_loss_with_gradients(family):
+    from retrofitter.pipelines.lora import ChunkedNextTokenLoss
+
+    model = build_tiny(family).to(torch.float64)
+    ids = blocks(2, 29)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]  # float64 end to end
+    reference = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    reference_grad = torch.autograd.grad(reference, model.get_output_embeddings().weight)[0]
+    chunked = ChunkedNextTokenLoss(model, chunk_tokens=5)(ids)  # 28 targets: 5 full chunks + 3
+    chunked_grad = torch.autograd.grad(chunked, model.get_output_embeddings().weight)[0]
+    torch.testing.assert_close(chunked, reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked_grad, reference_grad, rtol=1e-10, atol=1e-12)
+    hf_loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF computes it in float32
+    assert float(chunked) == pytest.approx(float(hf_loss), rel=1e-6)
+
+
+def test_lora_with_gradient_checkpointing_gives_the_same_weights_as_without():
+    """Checkpointing only recomputes activations: the merged weights agree (float64) with the stored-activation run."""
+    results = {}
+    for checkpointing in (False, True):
+        cfg = config(lora_lr=1e-2, gradient_checkpointing=checkpointing)
+        model = swapped(cfg).to(torch.float64)
+        merged, _ = lora_finetune(model, blocks(), cfg, progress=False)
+        results[checkpointing] = merged.state_dict()
+        assert not merged.is_activation_checkpointing  # switched off again after training
+    for key, value in results[False].items():
+        torch.testing.assert_close(results[True][key], value, rtol=1e-9, atol=1e-11)
+
+
 def test_linearize_save_load_round_trip_gives_identical_logits_and_generates(tmp_path):
     cfg = config(keep_softmax_layers=(0,))
     model, report = linearize_model(build_tiny("llama"), cfg, blocks(), blocks(seed=2), progress=False)

@@ -127,6 +127,14 @@ class ModelAdapter:
                 hidden = projection(hidden)
         return hidden
 
+    def head_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [b, n, d] that enter the LM head (final norm/projection applied), no logits.
+
+        The HF decoder (``get_decoder()``: LlamaModel, OPTDecoder, ...) returns exactly these; the
+        LM head is ``model.get_output_embeddings()``.
+        """
+        return model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+
     def logits_from_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [b, n, vocab] from the output of the last decoder layer."""
         return model.get_output_embeddings()(self.final_hidden(model, hidden))

@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
 from ..config import LinearizeConfig
 
-__all__ = ["LORA_TARGETS", "lora_target_module_names", "lora_finetune"]
+__all__ = ["LORA_TARGETS", "ChunkedNextTokenLoss", "lora_target_module_names", "lora_finetune"]
 
 LORA_TARGETS = ("q", "k", "v", "o")  # adapter names of the projections LoLCATs adapts
 
@@ -30,6 +31,48 @@ def lora_target_module_names(model: nn.Module) -> list[str]:
     """PEFT ``target_modules`` (attribute names, e.g. ``q_proj`` … ``o_proj``) from the model's adapter."""
     adapter = adapter_for(model)
     return sorted({adapter.linear_paths[name].rpartition(".")[2] for name in LORA_TARGETS})
+
+
+class ChunkedNextTokenLoss(nn.Module):
+    """Mean next-token NLL of a causal LM without holding [n, vocab] logits for every position.
+
+        L = (1 / (b (n − 1))) Σ_{chunks c} Σ_{t ∈ c} −log softmax(H_t W_headᵀ)[u_{t+1}]
+
+    with H = the hidden states entering the LM head (``adapter.head_inputs``). Each chunk of
+    ``chunk_tokens`` positions computes its logits inside a (non-reentrant) checkpoint, so backward
+    recomputes them: the peak is one chunk's logits (256 × 49152 floats ≈ 50 MB for SmolLM2) instead
+    of four full [n, vocab] tensors (logits, log-softmax and their gradients: ~1.6 GB at n = 2048).
+    Same value as HF's ``labels=`` loss (tested). The wrapped ``model`` is a submodule, so DDP wrapping
+    this module sees (and synchronises) its trainable parameters.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = 256):
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = int(chunk_tokens)
+
+    def _causal_lm(self) -> nn.Module:
+        get_base = getattr(self.model, "get_base_model", None)  # a PEFT wrapper
+        return get_base() if get_base is not None else self.model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        lm = self._causal_lm()
+        hidden = adapter_for(lm).head_inputs(lm, input_ids)[:, :-1]
+        targets = input_ids[:, 1:]
+        head = lm.get_output_embeddings()
+
+        def chunk_nll(states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logits = head(states)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+
+        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        for start in range(0, targets.shape[1], self.chunk_tokens):
+            stop = start + self.chunk_tokens
+            total = total + checkpoint(chunk_nll, hidden[:, start:stop], targets[:, start:stop], use_reentrant=False)
+        return total / targets.numel()
 
 
 def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfig, accelerator=None,
@@ -53,26 +96,31 @@ def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfi
     # PEFT seeds A from the global generator: seed it so every process starts from the same adapters.
     torch.manual_seed(config.seed)
     peft_model = get_peft_model(model, lora_config)
+    if config.gradient_checkpointing:
+        # Non-reentrant checkpointing: recomputes each decoder layer in backward; needs no input grads.
+        peft_model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
     optimizer = torch.optim.AdamW(trainable, lr=config.lora_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(config.seed)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(blocks), batch_size=config.batch_size,
                                          shuffle=True, generator=generator)
-    peft_model, optimizer, loader = accelerator.prepare(peft_model, optimizer, loader)
-    peft_model.train()
+    objective, optimizer, loader = accelerator.prepare(ChunkedNextTokenLoss(peft_model), optimizer, loader)
+    objective.train()
     losses = []
     start = time.perf_counter()
     for (ids,) in tqdm(loader, desc="LoRA", disable=not progress, leave=False):
-        output = peft_model(input_ids=ids, labels=ids, use_cache=False)
-        accelerator.backward(output.loss)
+        loss = objective(ids)
+        accelerator.backward(loss)
         if config.grad_clip:
             accelerator.clip_grad_norm_(trainable, config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(output.loss.detach()))
+        losses.append(float(loss.detach()))
     seconds = time.perf_counter() - start
-    merged = accelerator.unwrap_model(peft_model).merge_and_unload()
+    merged = accelerator.unwrap_model(objective).model.merge_and_unload()
+    if config.gradient_checkpointing:
+        merged.activation_checkpointing_disable()
     merged.eval()
     for p in merged.parameters():
         p.requires_grad_(False)
