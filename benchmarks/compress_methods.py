@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import datetime
 import json
 import platform
@@ -36,10 +35,8 @@ from retrofitter.data.corpora import load_text
 from retrofitter.eval.accounting import account
 from retrofitter.eval.perplexity import perplexity
 from retrofitter.eval.resources import peak_rss_mb, sampled_rss
-from retrofitter.adapters import adapter_for
-from retrofitter.pipelines.allocation import output_gradient_importance, plan_from_items
 from retrofitter.pipelines.compress import (collect_teacher_moments, compress_model, compress_with_moments,
-                                            weighted_spectra_from_cache)
+                                            teacher_global_plan)
 
 METHODS = ["svd", "asvd-hessian", "asvd-l2", "asvd-cov", "asvd-rootcov", "svd-llm"]
 
@@ -155,26 +152,21 @@ def main() -> None:
             if method == "asvd-rootcov" and global_weightings:
                 # Global allocation on the same teacher statistics: the cached SVDs' singular values are the
                 # exact rootcov error spectra, so every global plan costs only a truncation + evaluation.
-                spectra_config = CompressConfig(method=method, statistics="teacher")
-                base_items = weighted_spectra_from_cache(original, spectra_config, svd_cache)
                 importance, gradient_seconds = None, 0.0
-                if "fisher" in global_weightings:
-                    t0 = time.perf_counter()
-                    importance = output_gradient_importance(original, adapter_for(original), calibration,
-                                                            list(adapter_for(original).linear_names), 8)
-                    gradient_seconds = time.perf_counter() - t0
-                scale = float(torch.diagonal(moments[0][adapter_for(original).linear_names[0]].second_moment).sum())
                 for weighting in global_weightings:
                     for ratio in method_ratios:
                         config = CompressConfig(ratio=ratio, method=method, statistics="teacher", allocation="global",
                                                 allocation_weighting=weighting)
-                        items = {k: dataclasses.replace(v, importance=(importance or {}).get(k, 1.0))
-                                 for k, v in base_items.items()}
                         t0 = time.perf_counter()
-                        plan, plan_report = plan_from_items(items, config, scale, importance)
+                        plan, plan_report = teacher_global_plan(original, config, moments, svd_cache, calibration,
+                                                                importance if weighting == "fisher" else None)
+                        if weighting == "fisher" and importance is None:
+                            importance, gradient_seconds = plan_report["importance"], time.perf_counter() - t0
                         model = copy.deepcopy(original)
                         compress_with_moments(model, config, moments, svd_cache=svd_cache, plan=plan)
-                        fit_seconds = time.perf_counter() - t0 + (gradient_seconds if weighting == "fisher" else 0.0)
+                        fit_seconds = time.perf_counter() - t0
+                        if weighting == "fisher" and ratio != method_ratios[0]:
+                            fit_seconds += gradient_seconds  # the first fisher call already includes it
                         ppl = evaluate_ppl(model, eval_blocks, 4)
                         rows.append(row(f"{method}-global-{weighting}@{ratio}", method, ratio, model, before, ppl,
                                         statistics_seconds + first_call_seconds + fit_seconds,

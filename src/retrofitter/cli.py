@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-eval-tokens", type=int, default=4096, help="evaluation tokens per corpus")
     demo.add_argument("--calib-samples", type=int, default=32, help="calibration blocks of 512 tokens (default 32)")
     demo.add_argument("--no-bench", action="store_true")
+    demo.add_argument("--no-global", action="store_true",
+                      help="skip the asvd-rootcov rows with global (fisher) rank allocation")
     demo.add_argument("--quiet", action="store_true")
     return parser
 
@@ -404,7 +406,8 @@ def cmd_demo(args) -> int:
     run_demo(out=args.out, model_name=args.model, ratios=tuple(float(r) for r in args.ratios.split(",") if r),
              latentllm_ratios=tuple(float(r) for r in args.latentllm_ratios.split(",") if r),
              max_eval_tokens=args.max_eval_tokens,
-             calib_samples=args.calib_samples, bench=not args.no_bench, progress=not args.quiet)
+             calib_samples=args.calib_samples, bench=not args.no_bench, progress=not args.quiet,
+             global_allocation=not args.no_global)
     return 0
 
 

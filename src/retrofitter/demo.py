@@ -28,14 +28,20 @@ __all__ = ["run_demo"]
 
 def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2, 0.3), latentllm_ratios=(),
              corpora=("wiki-eval", "austen"), calib_samples: int = 32, seq_len: int = 512,
-             max_eval_tokens: int = 4096, bench: bool = True, progress: bool = True) -> Path:
-    """Run the demo; returns the path of the written report."""
+             max_eval_tokens: int = 4096, bench: bool = True, progress: bool = True,
+             global_allocation: bool = True) -> Path:
+    """Run the demo; returns the path of the written report.
+
+    ``global_allocation``: also compress at every ratio with the same statistics and SVDs but ranks
+    from one global budget priced by loss gradients (``allocation_weighting="fisher"``).
+    """
     from .data.blocks import calibration_blocks
     from .data.corpora import load_text
     from .data.fetch import fetch
     from .eval.bench import bench_models, format_bench_table
     from .eval.report import write_report
-    from .pipelines.compress import collect_teacher_moments, compress_model, compress_with_moments
+    from .pipelines.compress import (collect_teacher_moments, compress_model, compress_with_moments,
+                                     teacher_global_plan)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +88,18 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
                 most_compressed = (f"asvd-rootcov-{ratio:g}", model)
             else:
                 del model
+        importance = None
+        for ratio in ratios if global_allocation else ():
+            # Same statistics and SVDs, ranks from one global budget priced by loss gradients (allocation.py).
+            _say(f"asvd-rootcov with global fisher allocation at ratio {ratio}")
+            config = CompressConfig(ratio=ratio, statistics="teacher", allocation="global", allocation_weighting="fisher")
+            t0 = time.perf_counter()
+            plan, plan_report = teacher_global_plan(original, config, moments, svd_cache, calibration, importance)
+            importance = plan_report["importance"]
+            model = copy.deepcopy(original)
+            compress_with_moments(model, config, moments, svd_cache, plan=plan)
+            finish(model, "rootcov-global-fisher", ratio, statistics_seconds + time.perf_counter() - t0, "teacher")
+            del model
         del moments, svd_cache
     for ratio in latentllm_ratios:
         _say(f"latentllm at ratio {ratio} (sequential pipeline)")

@@ -160,3 +160,14 @@ def test_spectra_from_cached_svds_equal_the_stream_spectra_and_drive_a_global_pl
         {f"{i}.{n}": rank for (i, n), rank in plan.items()}
     with pytest.raises(KeyError, match="no cached SVD"):
         weighted_spectra_from_cache(original, CompressConfig(method="svd"), cache)
+    from retrofitter.pipelines.compress import teacher_global_plan
+
+    global_config = CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global", statistics="teacher")
+    assert teacher_global_plan(original, global_config, moments, cache)[0] == plan
+    fisher_config = CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global", statistics="teacher",
+                                   allocation_weighting="fisher", allocation_gradient_blocks=2)
+    with pytest.raises(ValueError, match="needs the calibration"):
+        teacher_global_plan(original, fisher_config, moments, cache)
+    fisher_plan, fisher_report = teacher_global_plan(original, fisher_config, moments, cache, tokens)
+    assert teacher_global_plan(original, fisher_config, moments, cache, importance=fisher_report["importance"])[0] \
+        == fisher_plan

@@ -308,6 +308,34 @@ def weighted_spectra_from_cache(model: nn.Module, config: CompressConfig, svd_ca
     return items
 
 
+def teacher_global_plan(model: nn.Module, config: CompressConfig, moments: dict, svd_cache: dict,
+                        calibration: torch.Tensor | None = None, importance: dict | None = None) -> tuple[dict, dict]:
+    """Global rank plan for ``compress_with_moments`` from teacher moments and cached rootcov SVDs.
+
+    The spectra are the cached singular values (:func:`weighted_spectra_from_cache`: fill ``svd_cache``
+    with one ``compress_with_moments`` call first); ``config.allocation_weighting`` decides the gains.
+    ``fisher`` needs ``importance`` ((layer, name) -> f_m, e.g. from a previous call's report) or the
+    ``calibration`` blocks to compute it (``allocation.output_gradient_importance``). Returns
+    ``(plan, report)`` with the importance under ``report["importance"]`` for reuse at other ratios.
+    """
+    from .allocation import output_gradient_importance, plan_from_items
+
+    adapter = adapter_for(model)
+    targets = _targets(adapter, config)
+    if config.allocation_weighting == "fisher" and importance is None:
+        if calibration is None:
+            raise ValueError("the 'fisher' allocation weighting needs the calibration token blocks or an importance")
+        importance = output_gradient_importance(model, adapter, calibration, targets, config.allocation_gradient_blocks)
+    items = weighted_spectra_from_cache(model, config, svd_cache)
+    if importance:
+        items = {key: dataclasses.replace(item, importance=importance[key]) for key, item in items.items()}
+    first_input = moments[0][targets[0]]  # input energy of layer 0: the scale of the "absolute" weighting
+    scale = float(torch.diagonal(first_input.second_moment).sum())
+    plan, report = plan_from_items(items, config, scale, importance)
+    report["importance"] = importance
+    return plan, report
+
+
 class _Checkpoint:
     """Per-layer resumability: finished layers' weights, the stream at the last boundary, progress."""
 
