@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--allocation", choices=["uniform", "global"], default="uniform",
                           help="uniform: every matrix keeps 1-ratio of its parameters; global: ranks by water-filling "
                                "on the weighted spectra of all matrices under one budget")
-    compress.add_argument("--allocation-weighting", choices=list(ALLOCATION_WEIGHTINGS), default="relative",
-                          help="global allocation: how errors of different matrices compare (fisher: priced by "
-                               "the loss gradient at each matrix's output; default relative)")
+    compress.add_argument("--allocation-weighting", choices=list(ALLOCATION_WEIGHTINGS), default="fisher",
+                          help="global allocation: how errors of different matrices compare (default fisher: "
+                               "priced by the loss gradient at each matrix's output; relative: relative error)")
     compress.add_argument("--allocation-min-keep", type=float, default=0.0,
                           help="global allocation: each matrix keeps at least this fraction of its parameters")
     compress.add_argument("--allocation-gradient-blocks", type=int, default=8,

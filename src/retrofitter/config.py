@@ -67,7 +67,7 @@ class CompressConfig(_JsonRoundTrip):
     mlp_iterations: int = 4  # auxiliary-variable iterations
     mlp_aux_tokens: int = 8192  # token subsample of the auxiliary-variable MLP (it holds activations)
     latent_attention: bool = True  # swap attention for LatentAttention (latent k/v cache) at the end
-    allocation_weighting: str = "relative"  # global allocation: one of ALLOCATION_WEIGHTINGS
+    allocation_weighting: str = "fisher"  # global allocation: one of ALLOCATION_WEIGHTINGS (fisher measured best)
     allocation_min_keep: float = 0.0  # global allocation: every matrix keeps at least this fraction of its params
     allocation_gradient_blocks: int = 8  # "fisher" weighting: calibration blocks of the backward passes
 

@@ -153,7 +153,8 @@ def test_spectra_from_cached_svds_equal_the_stream_spectra_and_drive_a_global_pl
         linear = adapter.get_linear(adapter.decoder_layers(original)[index], name)
         direct = weighted_spectra(linear.weight, moments[index][name].second_moment, config.damping)
         torch.testing.assert_close(item.energies, direct, rtol=1e-8, atol=1e-10)
-    plan, report = plan_from_items(items, CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global"))
+    plan, report = plan_from_items(items, CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global",
+                                                         allocation_weighting="relative"))
     model, summary = compress_with_moments(strong_tiny("llama"), config, moments, svd_cache=cache, plan=plan)
     assert summary["targets_params_after"] <= 0.6 * summary["targets_params_before"]
     assert {f"{r['layer']}.{n}": e["rank"] for r in summary["layers"] for n, e in r["matrices"].items()} == \
@@ -162,7 +163,8 @@ def test_spectra_from_cached_svds_equal_the_stream_spectra_and_drive_a_global_pl
         weighted_spectra_from_cache(original, CompressConfig(method="svd"), cache)
     from retrofitter.pipelines.compress import teacher_global_plan
 
-    global_config = CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global", statistics="teacher")
+    global_config = CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global", statistics="teacher",
+                                   allocation_weighting="relative")
     assert teacher_global_plan(original, global_config, moments, cache)[0] == plan
     fisher_config = CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global", statistics="teacher",
                                    allocation_weighting="fisher", allocation_gradient_blocks=2)
