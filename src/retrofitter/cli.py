@@ -321,6 +321,9 @@ def _add_linearize_parser(commands) -> None:
                        ("--transfer-mode", str), ("--lora-lr", float), ("--lora-rank", int), ("--lora-alpha", int),
                        ("--seed", int)):
         linearize.add_argument(flag, type=kind, default=None)
+    linearize.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_const",
+                           const=False, default=None,
+                           help="keep every layer's activations in the LoRA stage (faster, memory grows ~10x)")
     linearize.add_argument("--keep-softmax-layers", type=_layer_list, default=None,
                            help="comma-separated layer indices that keep softmax attention, e.g. 0,1")
     linearize.add_argument("--train-corpus", default="wiki-calib", help="training text (default wiki-calib)")
