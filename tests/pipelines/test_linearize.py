@@ -108,7 +108,7 @@ def test_chunked_next_token_loss_equals_hf_labels_loss_with_gradients(family):
     torch.testing.assert_close(chunked, reference, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(chunked_grad, reference_grad, rtol=1e-10, atol=1e-12)
     hf_loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF computes it in float32
-    assert float(chunked) == pytest.approx(float(hf_loss), rel=1e-6)
+    assert float(chunked.detach()) == pytest.approx(float(hf_loss.detach()), rel=1e-6)
 
 
 def test_lora_with_gradient_checkpointing_gives_the_same_weights_as_without():
