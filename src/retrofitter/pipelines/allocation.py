@@ -7,7 +7,8 @@ E‖(W_m − Ŵ_m) x‖² = Σ_{i>r} σ_{m,i}². With a junction a rank step r �
 parameters. Greedy water-filling:
 
     start every matrix at its minimum rank; repeatedly take the step with the largest
-    gain/cost = w_m(σ²_{m,r+1}) / cost_m(r) that still fits in the budget (1 − ratio)·Σ_m d_m d'_m
+    gain/cost = w_m(σ²_{m,r+1}) / cost_m(r) that still fits in the budget: the parameters uniform
+    allocation stores at this ratio (≤ (1 − ratio)·Σ_m d_m d'_m)
 
 until no step fits, so the plan uses the budget up to less than one rank step of one matrix.
 The gain weighting w (``WEIGHTINGS``) decides how errors of different matrices are compared:
@@ -211,12 +212,17 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
 
 def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, importance: dict | None = None
                     ) -> tuple[dict, dict]:
-    """Greedy plan for ``items`` ((layer, name) -> RankItem) at ``config.ratio`` of their dense parameters.
+    """Greedy plan for ``items`` ((layer, name) -> RankItem) with the parameter budget of uniform allocation
+    at ``config.ratio`` (≤ (1 − ratio) of the dense parameters).
 
     Shared by :func:`global_plan` (spectra from one stream pass) and by callers that already hold the
     weighted spectra (e.g. the singular values of cached rootcov SVDs). Returns ``(plan, report)``.
     """
-    budget = (1.0 - config.ratio) * sum(item.d_in * item.d_out for item in items.values())
+    # The budget is what uniform allocation stores at this ratio (each rank rounded down), so that a
+    # global plan is compared with uniform at the same parameter count, never with more.
+    budget = sum(factor_param_count(item.d_in, item.d_out,
+                                    rank_for_keep_fraction(item.d_in, item.d_out, 1.0 - config.ratio, config.junction),
+                                    config.junction) for item in items.values())
     min_ranks = None
     if config.allocation_min_keep > 0:
         min_ranks = {key: rank_for_keep_fraction(item.d_in, item.d_out, config.allocation_min_keep, config.junction)
