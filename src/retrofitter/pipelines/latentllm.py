@@ -42,7 +42,7 @@ from ..linalg.joint_mlp import ACTIVATIONS, fit_down_to_compressed, joint_gated_
 from ..linalg.joint_qk import JointQKSolver
 from ..linalg.joint_vo import JointVOSolver
 from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped
-from ..linalg.svd import bias_compensation, proxy_error
+from ..linalg.svd import bias_compensation, proxy_error, rootcov_svd
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments
 from .compress import CalibrationError, _Checkpoint, _check_weights_finite, _fingerprint, _summary, _targets, plan_ranks
@@ -141,8 +141,12 @@ class _LayerCompressor:
                                iterations=config.qk_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         score_error = solver.score_error(factors.A_q, factors.B_q, factors.A_k, factors.B_k)
+        # The same score error of separate rootcov factors at the same ranks: what joint QK improves on.
+        B_q_local, A_q_local = rootcov_svd(q.weight, moment, self.plan[(self.index, "q")], config.damping)
+        B_k_local, A_k_local = rootcov_svd(k.weight, moment, self.plan[(self.index, "k")], config.damping)
         history = [float(v) for v in factors.objective_history]
         self.extra["qk_score_error"] = score_error
+        self.extra["qk_score_error_local"] = solver.score_error(A_q_local, B_q_local, A_k_local, B_k_local)
         self.extra["qk_objective"] = history
         for name, linear, B, A in (("q", q, factors.B_q, factors.A_q), ("k", k, factors.B_k, factors.A_k)):
             self.replace(name, _from_factors(linear, B, A, accumulator, config), moment, method="joint_qk",
