@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from retrofitter.eval.perplexity import perplexity
+from retrofitter.eval.perplexity import block_nll, block_nll_reference, perplexity
 from tiny_models import TINY_VOCAB, build_tiny
 
 
@@ -34,3 +34,29 @@ def test_uniform_model_has_vocab_perplexity():
 def test_rejects_bad_blocks():
     with pytest.raises(ValueError, match="seq_len >= 2"):
         perplexity(build_tiny("llama"), torch.zeros(4, 1, dtype=torch.long), progress=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "qwen3"])
+def test_chunked_head_equals_full_logits_reference(family):
+    """The LM head on chunks of positions (fast path) == full [b, L, vocab] logits, in float64."""
+    model = build_tiny(family, dtype=torch.float64)
+    blocks = torch.randint(3, TINY_VOCAB, (2, 23), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = block_nll_reference(model, blocks)
+        for chunk in (1, 5, 22, 64):  # chunks that do and do not divide L - 1 = 22
+            torch.testing.assert_close(block_nll(model, blocks, chunk_tokens=chunk), reference, rtol=1e-12, atol=1e-10)
+
+
+def test_unsupported_architecture_falls_back_to_full_logits():
+    class Wrapper(torch.nn.Module):  # not in the adapter registry
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    inner = build_tiny("llama")
+    blocks = torch.randint(3, TINY_VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(block_nll(Wrapper(inner), blocks), block_nll_reference(inner, blocks))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-__all__ = ["PerplexityResult", "perplexity", "block_nll"]
+__all__ = ["PerplexityResult", "perplexity", "block_nll", "block_nll_reference"]
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ class PerplexityResult:
     seq_len: int
 
 
-def block_nll(model: nn.Module, blocks: torch.Tensor) -> torch.Tensor:
-    """Summed next-token negative log-likelihood per block, float64 [n_blocks]."""
+def block_nll_reference(model: nn.Module, blocks: torch.Tensor) -> torch.Tensor:
+    """``block_nll`` from the model's full logits [b, L, vocab] (any causal LM; the slow reference)."""
     logits = model(input_ids=blocks, use_cache=False).logits  # [b, L, vocab]
     # Per-token losses in float32 (bf16 logits upcast); sums in float64. A float64 copy of the
     # [b, L, vocab] logits would cost more time and memory than the model itself on small models.
@@ -37,6 +37,33 @@ def block_nll(model: nn.Module, blocks: torch.Tensor) -> torch.Tensor:
     targets = blocks[:, 1:]
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     return nll.view(targets.shape).double().sum(dim=1)
+
+
+def block_nll(model: nn.Module, blocks: torch.Tensor, chunk_tokens: int = 256) -> torch.Tensor:
+    """Summed next-token negative log-likelihood per block, float64 [n_blocks].
+
+    For supported architectures the LM head runs on ``chunk_tokens`` positions at a time,
+    Σ_c Σ_{t∈c} −log softmax(H_t W_headᵀ)[u_{t+1}] with H = ``adapter.head_inputs``, so at most
+    [b, chunk_tokens, vocab] logits exist (the full [4, 2048, 49152] logits of SmolLM2 plus their
+    float32 log-softmax are ~3 GB, more than the model). Other models use ``block_nll_reference``.
+    """
+    from ..adapters import adapter_for
+    from ..adapters.registry import UnsupportedArchitectureError
+
+    try:
+        adapter = adapter_for(model)
+    except UnsupportedArchitectureError:
+        return block_nll_reference(model, blocks)
+    hidden = adapter.head_inputs(model, blocks)[:, :-1]  # [b, L-1, d]
+    head = model.get_output_embeddings()
+    targets = blocks[:, 1:]
+    total = torch.zeros(blocks.shape[0], dtype=torch.float64, device=hidden.device)
+    for start in range(0, targets.shape[1], chunk_tokens):
+        logits = head(hidden[:, start:start + chunk_tokens]).float()
+        chunk_targets = targets[:, start:start + chunk_tokens]
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk_targets.reshape(-1), reduction="none")
+        total += nll.view(chunk_targets.shape).double().sum(dim=1)
+    return total
 
 
 @torch.no_grad()
