@@ -240,3 +240,21 @@ def test_bad_names_list_the_options():
         hybrid_attention_chunked(q[:, :3], k, v, **op_kwargs(w_q[:3], w_k[:3], theta[:3], 2, "sliding"))
     with pytest.raises(ValueError, match="window must be >= 1"):
         hybrid_attention_chunked(q, k, v, **op_kwargs(w_q, w_k, theta, 0, "sliding"))
+
+
+@pytest.mark.parametrize("kind", ["sliding", "terraced"])
+def test_step_leaves_its_input_state_intact(kind):
+    """Steps with and without evictions (terraced: only at tile starts) never write into an older state."""
+    q, k, v, w_q, w_k, theta = make_problem(n=12)
+    mask = left_padding(3, 12, [0, 1, 5])
+    state = HybridRecurrentState.init(3, 4, 2, 6, 10, window=4, window_kind=kind, dtype=F64)
+    snapshots = []
+    for t in range(12):
+        snapshots.append((state, {name: tensor.clone() for name, tensor in state.tensors().items()}))
+        _, state = hybrid_recurrent_step(
+            state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t],
+            feature_map_q=hedgehog(w_q), feature_map_k=hedgehog(w_k), gamma=torch.sigmoid(theta),
+        )
+    for old, saved in snapshots:
+        for name, tensor in old.tensors().items():
+            assert torch.equal(tensor, saved[name]), name

@@ -199,22 +199,37 @@ def hybrid_recurrent_step(
     slot_pos = state.positions.gather(1, slots)
     leaving = state.valid.gather(1, slots) & ~kind.contains(new_pos[:, None], slot_pos, state.window)
     leaving = leaving & valid_t[:, None]  # [b, e]
-    index = slots[:, None, :, None].expand(b, g, slots.shape[1], dh)
-    k_out = state.keys.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)  # [b, h, e, dh]
-    v_out = state.values.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)
-    phi_out = feature_map_k(k_out) * leaving[:, None, :, None]  # [b, h, e, F]
-    kv_state = state.kv_state + torch.einsum("bhef,bhed->bhfd", phi_out, v_out)
-    k_state = state.k_state + phi_out.sum(dim=2)
-    evict = torch.zeros_like(state.valid).scatter(1, slots, leaving)  # [b, s]
+    # A terraced window evicts a whole tile once every `window` tokens and nothing in between: skip
+    # phi_k and the state update when no slot leaves (on CPU; on an accelerator the bool() would
+    # stall the launch queue once per layer, and the masked update below is exact anyway).
+    evicted_any = q_t.device.type != "cpu" or bool(leaving.any())
+    if evicted_any:
+        index = slots[:, None, :, None].expand(b, g, slots.shape[1], dh)
+        k_out = state.keys.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)  # [b, h, e, dh]
+        v_out = state.values.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)
+        phi_out = feature_map_k(k_out) * leaving[:, None, :, None]  # [b, h, e, F]
+        kv_state = state.kv_state + torch.einsum("bhef,bhed->bhfd", phi_out, v_out)
+        k_state = state.k_state + phi_out.sum(dim=2)
+        evict = torch.zeros_like(state.valid).scatter(1, slots, leaving)  # [b, s]
+    else:
+        kv_state, k_state = state.kv_state, state.k_state  # never modified in place: sharing is safe
+        evict = torch.zeros_like(state.valid)
 
     # 2. Clear evicted slots (keeps the state canonical: equal to prefill_state's), then write
     #    the new key/value into slot L mod s.
-    write = (torch.arange(size, device=q_t.device)[None, :] == (new_pos % size)[:, None]) & valid_t[:, None]
-    zero = torch.zeros((), dtype=state.keys.dtype, device=q_t.device)
-    keys = torch.where(evict[:, None, :, None], zero, state.keys)
-    values = torch.where(evict[:, None, :, None], zero, state.values)
-    keys = torch.where(write[:, None, :, None], k_t.to(state.keys.dtype), keys)
-    values = torch.where(write[:, None, :, None], v_t.to(state.values.dtype), values)
+    slot = new_pos % size  # [b]
+    write = (torch.arange(size, device=q_t.device)[None, :] == slot[:, None]) & valid_t[:, None]
+    keys, values = state.keys, state.values
+    if evicted_any:
+        zero = torch.zeros((), dtype=state.keys.dtype, device=q_t.device)
+        keys = torch.where(evict[:, None, :, None], zero, keys)
+        values = torch.where(evict[:, None, :, None], zero, values)
+    # One scatter per buffer (a new tensor; the input state stays intact); padded rows rewrite the
+    # slot's current content.
+    slot_index = slot[:, None, None, None].expand(b, g, 1, dh)
+    row_valid = valid_t[:, None, None, None]
+    keys = keys.scatter(2, slot_index, torch.where(row_valid, k_t.to(keys.dtype), keys.gather(2, slot_index)))
+    values = values.scatter(2, slot_index, torch.where(row_valid, v_t.to(values.dtype), values.gather(2, slot_index)))
     positions = torch.where(evict, -1, state.positions)
     positions = torch.where(write, new_pos[:, None], positions)
     valid = (state.valid & ~evict) | write
