@@ -98,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--no-junction", action="store_true", help="store plain B, A factors (r(d+d') parameters)")
     compress.add_argument("--targets", default="", help="comma-separated projections to compress (default all)")
     compress.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
-    compress.add_argument("--allocation", choices=["uniform", "global"], default="uniform",
+    compress.add_argument("--allocation", choices=["uniform", "global"], default=None,
                           help="uniform: every matrix keeps 1-ratio of its parameters; global: ranks by water-filling "
-                               "on the weighted spectra of all matrices under one budget")
+                               "on the weighted spectra of all matrices under one budget (default: global for "
+                               "latentllm, uniform for the other methods)")
     compress.add_argument("--allocation-weighting", choices=list(ALLOCATION_WEIGHTINGS), default="fisher",
                           help="global allocation: how errors of different matrices compare (default fisher: "
                                "priced by the loss gradient at each matrix's output; relative: relative error)")

@@ -36,6 +36,11 @@ class _JsonRoundTrip:
         return cls(**values)
 
 
+# allocation=None resolves per method: latentllm's measured best is global fisher allocation
+# (benchmarks/compress_ablation.py); the local methods keep the paper's uniform ranks unless asked.
+DEFAULT_ALLOCATION: dict[str, str] = {"latentllm": "global"}
+
+
 @dataclass(frozen=True)
 class CompressConfig(_JsonRoundTrip):
     """Settings of ``retrofitter.compress``.
@@ -47,7 +52,9 @@ class CompressConfig(_JsonRoundTrip):
       layers < l (sequential); ``"teacher"`` — on the original model's activations.
     damping: λ in C + λ·mean(diag C)·I.
     targets: projection names to compress (adapter names, e.g. ``q k v o gate up down``); empty = all.
-    allocation: ``"uniform"`` (each matrix keeps 1 − ratio of its parameters) or ``"global"``.
+    allocation: ``"uniform"`` (each matrix keeps 1 − ratio of its parameters) or ``"global"`` (one
+      budget, ranks priced by ``allocation_weighting``); ``None`` (default) picks the method's best
+      measured choice, ``DEFAULT_ALLOCATION``: global for ``latentllm``, uniform for the local methods.
     """
 
     ratio: float = 0.2
@@ -56,7 +63,7 @@ class CompressConfig(_JsonRoundTrip):
     statistics: str = "compressed"
     damping: float = 1e-2
     targets: tuple[str, ...] = ()
-    allocation: str = "uniform"
+    allocation: str | None = None
     batch_size: int = 8
     joint_qk: bool = True
     joint_vo: bool = False
@@ -78,6 +85,8 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(COMPRESS_METHODS)}")
         if self.statistics not in ("compressed", "teacher"):
             raise ValueError(f"statistics must be 'compressed' or 'teacher', got {self.statistics!r}")
+        if self.allocation is None:  # frozen dataclass: resolve the method's default once, at construction
+            object.__setattr__(self, "allocation", DEFAULT_ALLOCATION.get(self.method, "uniform"))
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"allocation must be 'uniform' or 'global', got {self.allocation!r}")
         if self.allocation_weighting not in ALLOCATION_WEIGHTINGS:
