@@ -13,6 +13,7 @@ result has exactly the original parameter layout. The loop runs under ``accelera
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,10 @@ def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfi
                              target_modules=lora_target_module_names(model), bias="none")
     # PEFT seeds A from the global generator: seed it so every process starts from the same adapters.
     torch.manual_seed(config.seed)
-    peft_model = get_peft_model(model, lora_config)
+    with warnings.catch_warnings():
+        # PEFT probes transformers' deprecated `is_gradient_checkpointing`; the warning is theirs, not the user's.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, lora_config)
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing: recomputes each decoder layer in backward; needs no input grads.
         peft_model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
