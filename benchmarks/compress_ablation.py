@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from retrofitter.api import load_model
+from retrofitter.api import load_model, write_json
 from retrofitter.config import CompressConfig
 from retrofitter.data.blocks import token_blocks
 from retrofitter.data.corpora import load_text
@@ -142,9 +142,7 @@ class ResultFile:
             fcntl.flock(lock, fcntl.LOCK_EX)
             payload = json.loads(self.path.read_text()) if self.path.exists() else {"rows": []}
             change(payload)
-            tmp = self.path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(payload, indent=1))
-            tmp.replace(self.path)
+            write_json(payload, self.path)  # temp file + rename
             self.path.with_suffix(".md").write_text(markdown(payload) + "\n")
             return payload
 
@@ -169,7 +167,7 @@ def main() -> None:
     parser.add_argument("--eval", default="wiki-eval,austen")
     parser.add_argument("--max-eval-tokens", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--qk-iterations", default="1,2,4,8")  # tucker2 needs >= 1; "0" is local rootcov
+    parser.add_argument("--qk-iterations", default="1,2,4,8")  # tucker2 needs >= 1; the sweep adds local rootcov
     parser.add_argument("--skip-original", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "compress_ablation.json"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
