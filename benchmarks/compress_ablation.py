@@ -85,7 +85,7 @@ def run_one(args, label, settings, calibration, eval_blocks, extra="") -> dict:
            "mean_qk_score_error_local": sum(qk_local) / len(qk_local) if qk_local else None,
            "mean_proxy_error": sum(e["proxy_error"] for r in layers for e in r["matrices"].values())
            / max(1, sum(len(r["matrices"]) for r in layers)),
-           "keep_fraction_by_projection": report.get("latentllm", {}).get("keep_fraction_by_projection"),
+           "keep_fraction_by_projection": report["allocation"].get("keep_fraction_by_projection"),
            "ranks": {f"{r['layer']}.{n}": e["rank"] for r in layers for n, e in r["matrices"].items()}}
     print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
     return row

@@ -55,6 +55,10 @@ class CompressConfig(_JsonRoundTrip):
     allocation: ``"uniform"`` (each matrix keeps 1 − ratio of its parameters) or ``"global"`` (one
       budget, ranks priced by ``allocation_weighting``); ``None`` (default) picks the method's best
       measured choice, ``DEFAULT_ALLOCATION``: global for ``latentllm``, uniform for the local methods.
+    refit_within_layer: collect each projection group's statistics after the groups before it in the
+      same layer were replaced (o sees the compressed q/k/v, the MLP the compressed attention) instead
+      of one pass of the original layer. ``None`` (default) resolves to the setting of the measured
+      figures: on for ``latentllm`` (which needs it) and for global allocation, off for uniform local.
     """
 
     ratio: float = 0.2
@@ -68,7 +72,9 @@ class CompressConfig(_JsonRoundTrip):
     joint_qk: bool = True
     joint_vo: bool = False
     joint_mlp: bool = True
-    qk_iterations: int = 8
+    qk_iterations: int = 8  # joint QK alternating eigen-updates
+    vo_iterations: int = 8  # joint VO alternating eigen-updates
+    refit_within_layer: bool | None = None
     # latentllm only (pipelines/latentllm.py, pipelines/allocation.py):
     mlp_algorithm: str = "streaming"  # "streaming" (down refitted to the compressed intermediate) | "auxiliary"
     mlp_iterations: int = 4  # auxiliary-variable iterations
@@ -89,6 +95,11 @@ class CompressConfig(_JsonRoundTrip):
             object.__setattr__(self, "allocation", DEFAULT_ALLOCATION.get(self.method, "uniform"))
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"allocation must be 'uniform' or 'global', got {self.allocation!r}")
+        if self.refit_within_layer is None:
+            object.__setattr__(self, "refit_within_layer", self.method == "latentllm" or self.allocation == "global")
+        if self.method == "latentllm" and not self.refit_within_layer:
+            raise ValueError("latentllm fits each projection group on the outputs of the groups before it: "
+                             "refit_within_layer must be on")
         if self.allocation_weighting not in ALLOCATION_WEIGHTINGS:
             raise ValueError(f"unknown allocation weighting {self.allocation_weighting!r}; "
                              f"choose from {', '.join(ALLOCATION_WEIGHTINGS)}")

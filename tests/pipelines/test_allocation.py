@@ -118,11 +118,11 @@ def test_fisher_allocation_compresses_within_budget_and_sets_ranks_non_uniformly
                             allocation_gradient_blocks=2, batch_size=4)
     model, report = compress_model(strong_tiny("llama"), config, tokens, progress=False)
     assert report["targets_params_after"] <= 0.6 * report["targets_params_before"]
-    importance = report["latentllm"]["output_gradient_importance"]
+    importance = report["allocation"]["output_gradient_importance"]
     assert all(value > 0 for value in importance.values())
-    ranks = report["latentllm"]["ranks"]
+    ranks = report["ranks"]
     assert len(set(ranks.values())) > 2
-    assert len(report["latentllm"]["keep_fraction_by_layer"]) == len(adapter_for(model).decoder_layers(model))
+    assert len(report["allocation"]["keep_fraction_by_layer"]) == len(adapter_for(model).decoder_layers(model))
 
 
 def test_local_method_with_global_allocation_is_not_silently_uniform():

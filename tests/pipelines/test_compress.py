@@ -8,7 +8,8 @@ import torch
 from retrofitter.adapters import adapter_for
 from retrofitter.config import CompressConfig
 from retrofitter.modules.latent_linear import LatentLinear
-from retrofitter.pipelines.compress import CalibrationError, compress_model, plan_ranks
+from retrofitter.pipelines.allocation import uniform_plan
+from retrofitter.pipelines.compress import CalibrationError, compress_model
 
 from tiny_models import TINY_VOCAB, build_tiny
 
@@ -95,7 +96,9 @@ def test_impossible_ratio_and_rank():
     with pytest.raises(ValueError, match=r"\(0, 1\)"):
         CompressConfig(ratio=1.0)
     with pytest.raises(ValueError, match="layer 0"):
-        plan_ranks(build_tiny("llama"), CompressConfig(ratio=0.999))
+        model = build_tiny("llama")
+        adapter = adapter_for(model)
+        uniform_plan(model, adapter, CompressConfig(ratio=0.999), list(adapter.linear_names))
 
 
 def test_resume_after_interruption_gives_the_same_model(tmp_path, monkeypatch):
@@ -103,10 +106,10 @@ def test_resume_after_interruption_gives_the_same_model(tmp_path, monkeypatch):
     config = CompressConfig(ratio=0.3)
     full, _ = compress_model(build_tiny("llama"), config, ids, progress=False)
 
-    import retrofitter.pipelines.compress as pipeline
+    from retrofitter.pipelines.resume import RunDirectory
 
     calls = {"n": 0}
-    original_save = pipeline._Checkpoint.save_layer
+    original_save = RunDirectory.save_progress
 
     def interrupt_after_first(self, *args, **kwargs):
         original_save(self, *args, **kwargs)
@@ -114,11 +117,11 @@ def test_resume_after_interruption_gives_the_same_model(tmp_path, monkeypatch):
         if calls["n"] == 1:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline._Checkpoint, "save_layer", interrupt_after_first)
+    monkeypatch.setattr(RunDirectory, "save_progress", interrupt_after_first)
     with pytest.raises(KeyboardInterrupt):
         compress_model(build_tiny("llama"), config, ids, progress=False, checkpoint_dir=tmp_path / "ckpt")
     progress = json.loads((tmp_path / "ckpt" / "progress.json").read_text())
-    assert progress["layers_done"] == 1
+    assert progress["state"]["layers_done"] == 1
     resumed, report = compress_model(build_tiny("llama"), config, ids, progress=False, checkpoint_dir=tmp_path / "ckpt")
     assert calls["n"] == 2  # only the second layer was computed again
     assert len(report["layers"]) == 2

@@ -66,7 +66,7 @@ def test_blockwise_transfer_matches_joint_and_resumes_skipping_done_layers(tmp_p
         assert torch.allclose(value, hybrid_state(first)[key], atol=1e-5), key
     # Simulate an interruption after layer 0: layer 1 is retrained, layer 0 is loaded from disk.
     progress = json.loads((tmp_path / "progress.json").read_text())
-    del progress["done_layers"]["1"]
+    del progress["state"]["done_layers"]["1"]
     (tmp_path / "progress.json").write_text(json.dumps(progress))
     resumed = swapped(cfg)
     report = attention_transfer(resumed, blocks(), cfg, progress=False, work_dir=tmp_path)

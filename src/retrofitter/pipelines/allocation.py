@@ -1,4 +1,8 @@
-"""Global rank allocation under one parameter budget (``CompressConfig.allocation="global"``).
+"""Rank plans: (layer index, projection name) -> rank, for the sequential loop (``CompressConfig.allocation``).
+
+``uniform``: every target matrix keeps (1 − ratio) of its parameters (:func:`uniform_plan`).
+
+``global``: one parameter budget for all matrices (:func:`global_plan`), described below.
 
 For every target matrix m (W_m [d'_m, d_m], input second moment C_m from one teacher pass over the
 calibration stream — all layers in one sweep, moments discarded after each layer) the weighted
@@ -41,8 +45,8 @@ from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
 from .calibration import LayerStream, collect_input_moments
 
-__all__ = ["RankItem", "WEIGHTINGS", "allocate_ranks", "weighted_spectra", "global_plan", "plan_from_items",
-           "output_gradient_importance"]
+__all__ = ["RankItem", "WEIGHTINGS", "RANK_PLANS", "allocate_ranks", "weighted_spectra", "uniform_plan", "global_plan",
+           "plan_from_items", "output_gradient_importance", "make_planner"]
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +182,21 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
     return {key: value / tokens for key, value in sums.items()}
 
 
+def uniform_plan(model: nn.Module, adapter, config: CompressConfig, targets: list[str]) -> dict:
+    """Every target matrix keeps (1 − ratio) of its parameters: the largest rank whose stored factors
+    (r(d+d') − r² with a junction, r(d+d') without) fit in (1 − ratio)·d·d'."""
+    plan = {}
+    for index, layer in enumerate(adapter.decoder_layers(model)):
+        for name in targets:
+            linear = adapter.get_linear(layer, name)
+            try:
+                plan[(index, name)] = rank_for_keep_fraction(linear.in_features, linear.out_features,
+                                                             1.0 - config.ratio, junction=config.junction)
+            except ValueError as error:
+                raise ValueError(f"layer {index} {name} ({linear.out_features}x{linear.in_features}): {error}") from None
+    return plan
+
+
 @torch.no_grad()
 def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: LayerStream,
                 targets: list[str], calibration: torch.Tensor | None = None) -> tuple[dict, dict]:
@@ -252,3 +271,26 @@ def _keep_by_layer(items: dict, plan: dict, junction: bool) -> list[float]:
         kept = sum(factor_param_count(items[k].d_in, items[k].d_out, plan[k], junction) for k in keys)
         result.append(kept / sum(items[k].d_in * items[k].d_out for k in keys))
     return result
+
+
+def _uniform_planner(model, adapter, config, targets, calibration):
+    return lambda _stream: (uniform_plan(model, adapter, config, targets), {"allocation": "uniform"})
+
+
+def _global_planner(model, adapter, config, targets, calibration):
+    def plan(stream: LayerStream | None):
+        if stream is None:
+            raise ValueError("global allocation needs the calibration stream (or a plan computed beforehand)")
+        result, report = global_plan(model, adapter, config, stream, targets, calibration)
+        return result, {"allocation": "global", **report}
+    return plan
+
+
+# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration) -> Planner
+RANK_PLANS: dict[str, Callable] = {"uniform": _uniform_planner, "global": _global_planner}
+
+
+def make_planner(model: nn.Module, adapter, config: CompressConfig, targets: list[str],
+                 calibration: torch.Tensor | None):
+    """The planner of ``config.allocation``: called by the loop with the captured stream, returns (plan, report)."""
+    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration)

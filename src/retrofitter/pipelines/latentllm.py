@@ -1,4 +1,4 @@
-"""LatentLLM compression pipeline (design.md §3): joint decompositions inside the sequential pipeline.
+"""LatentLLM (design.md §3): the per-layer strategy with joint decompositions, run by pipelines/sequential.py.
 
 Per decoder layer l (statistics from the already compressed layers < l, or from the original model
 with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for ablations:
@@ -13,7 +13,6 @@ with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for a
     and ĥ the compressed intermediate, then W* = W_d E[hĥᵀ]E[ĥĥᵀ]⁻¹ compressed with rootcov on E[ĥĥᵀ]
     (``mlp_algorithm="auxiliary"``: the joint auxiliary-variable algorithm on a token subsample instead);
     without ``joint_mlp``: local rootcov on E[ĥ ĥᵀ];
- 4. advance the stream; checkpoint the layer (resumable, compress.py's checkpoint format).
 
 Biases (OPT, Qwen2 q/k/v): every fit uses centered statistics C0 = C − μμᵀ and the bias is compensated,
 b̂ = b + (W − BA)μ (for down: b̂ = b + W_d μ_h − Ŵ μ_ĥ). The joint QK/VO solvers have no bias terms:
@@ -21,22 +20,19 @@ they run on the centered moments and each projection's bias is compensated after
 mean, the solvers' objectives then concern the fluctuations only). The auxiliary-variable MLP does not
 support biases and falls back to the streaming variant (logged).
 
-Ranks: uniform (each matrix keeps 1 − ratio of its parameters, compress.plan_ranks) or a global plan
-(pipelines/allocation.py). With ``latent_attention`` the attention modules are finally swapped for
+Ranks come from the loop's plan (pipelines/allocation.py: uniform, or global by default). With ``latent_attention`` the attention modules are finally swapped for
 ``LatentAttention`` (latent k/v cache, r_k + r_v numbers per token and layer).
 """
+
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from ..adapters import adapter_for
-from ..adapters.mlp_permutation import lead_mlp_pivots
+from ..adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
 from ..config import CompressConfig
 from ..linalg.joint_mlp import ACTIVATIONS, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
 from ..linalg.joint_qk import JointQKSolver
@@ -44,10 +40,10 @@ from ..linalg.joint_vo import JointVOSolver
 from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped
 from ..linalg.svd import bias_compensation, proxy_error, rootcov_svd
 from ..modules.latent_linear import LatentLinear
-from .calibration import LayerStream, capture_stream, collect_input_moments
-from .compress import CalibrationError, _Checkpoint, _check_weights_finite, _fingerprint, _summary, _targets, plan_ranks
+from .local_svd import entry, fit_local
+from .sequential import LayerContext
 
-__all__ = ["compress_latentllm", "mlp_intermediate"]
+__all__ = ["LatentLLMStrategy", "mlp_intermediate"]
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +52,6 @@ def mlp_intermediate(kind: str, activation, inputs: dict[str, torch.Tensor]) -> 
     """h from the MLP input projections' outputs: gated act(gate)⊙up, plain act(fc1)."""
     values = list(inputs.values())
     return activation(values[0]) * values[1] if kind == "gated" else activation(values[0])
-
-
-def _entry(linear: nn.Module, replacement: LatentLinear, error: float, **extra) -> dict:
-    return {"rank": replacement.rank, "in": linear.in_features, "out": linear.out_features,
-            "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
-            "proxy_error": error, **extra}
 
 
 def _centered(accumulator: SecondMomentAccumulator, has_bias: bool) -> torch.Tensor:
@@ -76,43 +66,48 @@ def _from_factors(linear: nn.Module, B, A, accumulator, config: CompressConfig) 
                                      device=linear.weight.device)
 
 
-class _LayerCompressor:
-    """Compresses one decoder layer in place; collects the report entries."""
+class LatentLLMStrategy:
+    """Per-layer strategy of ``method="latentllm"`` (module docstring); ``finish`` swaps in the latent cache."""
 
-    def __init__(self, model, adapter, layer, index: int, stream: LayerStream, plan, config: CompressConfig,
-                 targets: list[str]):
-        self.adapter, self.layer, self.index, self.stream = adapter, layer, index, stream
-        self.plan, self.config, self.targets = plan, config, targets
-        self.layout = adapter.attention_layout(model)
-        self.entries: dict[str, dict] = {}
-        self.passes = 0
-        self.extra: dict = {}
+    def __init__(self, config: CompressConfig):
+        self.config = config
+
+    def fit_layer(self, context: LayerContext) -> None:
+        layer = _LatentLLMLayer(context)
+        layer.attention()
+        layer.mlp()
+
+    def finish(self, model: nn.Module, targets: list[str]) -> dict:
+        if not (self.config.latent_attention and all(n in targets for n in ("k", "v"))):
+            return {}
+        to_latent_attention(model)
+        return {"cache_numbers_per_token": latent_cache_numbers_per_token(model)}
+
+
+class _LatentLLMLayer:
+    """The parts of one layer's LatentLLM fit, in execution order."""
+
+    def __init__(self, context: LayerContext):
+        self.context = context
+        self.adapter, self.layer, self.index = context.adapter, context.layer, context.index
+        self.plan, self.config, self.targets = context.plan, context.config, context.targets
+        self.layout = context.adapter.attention_layout(context.model)
+        self.extra = context.extra
 
     # ---------------------------------------------------------------- helpers
     def linear(self, name: str) -> nn.Module:
-        return self.adapter.get_linear(self.layer, name)
+        return self.context.linear(name)
 
     def moments(self, leader: str) -> SecondMomentAccumulator:
-        self.passes += 1
-        accumulator = collect_input_moments(self.layer, self.stream, {leader: self.linear(leader)})[leader]
-        accumulator.check_finite(f"layer {self.index} input of {leader!r} "
-                                 f"({self.adapter.linear_path_in_model(self.index, leader)})")
-        return accumulator
+        return self.context.moments({leader: self.linear(leader)})[leader]
 
     def local(self, name: str, accumulator: SecondMomentAccumulator) -> None:
-        linear = self.linear(name)
-        has_bias = linear.bias is not None
-        replacement = LatentLinear.from_linear(
-            linear, accumulator.second_moment, self.plan[(self.index, name)], preconditioner=self.config.preconditioner,
-            junction=self.config.junction, mean=accumulator.mean if has_bias else None, damping=self.config.damping,
-            name=self.adapter.linear_path_in_model(self.index, name))
-        self.replace(name, replacement, _centered(accumulator, has_bias), method="local")
+        fit_local(self.context, name, accumulator, method="local")
 
     def replace(self, name: str, replacement: LatentLinear, moment: torch.Tensor, **extra) -> None:
         linear = self.linear(name)
         error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(), moment)
-        self.entries[name] = _entry(linear, replacement, error, **extra)
-        self.adapter.set_linear(self.layer, name, replacement)
+        self.context.replace(name, replacement, entry(linear, replacement, error, **extra))
 
     # ---------------------------------------------------------------- parts
     def attention(self) -> None:
@@ -127,9 +122,9 @@ class _LayerCompressor:
         if vo_joint:
             self.joint_vo(accumulator)
         for name in wanted:
-            if name not in self.entries:
+            if name not in self.context.entries:
                 self.local(name, accumulator)
-        if "o" in self.targets and "o" not in self.entries:
+        if "o" in self.targets and "o" not in self.context.entries:
             self.local("o", self.moments("o"))
 
     def joint_qk(self, accumulator) -> None:
@@ -157,7 +152,7 @@ class _LayerCompressor:
         moment = _centered(accumulator, v.bias is not None)
         solver = JointVOSolver(v.weight, o.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "v")], self.plan[(self.index, "o")],
-                               iterations=config.qk_iterations, damping=config.damping, name=f"layer {self.index}")
+                               iterations=config.vo_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         map_error = solver.map_error(factors.A_v, factors.B_v, factors.B_o, factors.A_o)
         self.extra["vo_map_error"] = map_error
@@ -186,14 +181,11 @@ class _LayerCompressor:
         else:
             self.local(down_name, self.moments(down_name))
 
-    def _original_inputs(self, names) -> dict[str, nn.Module]:
-        return {n: self.linear(n) for n in names}
-
     def streaming_down(self, inputs, down_name: str) -> None:
         """W* = W_d E[h ĥᵀ] E[ĥ ĥᵀ]⁻¹ (centered with a bias), rootcov-compressed on E[ĥ ĥᵀ]."""
         down = self.linear(down_name)
-        originals = {n: self.originals[n] for n in inputs}
-        compressed = self._original_inputs(inputs)
+        originals = {n: self.context.originals[n] for n in inputs}
+        compressed = {n: self.linear(n) for n in inputs}  # already replaced by their local fits
         activation = self.adapter.mlp_activation(self.layer)
         width = down.in_features
         device = down.weight.device
@@ -217,8 +209,7 @@ class _LayerCompressor:
 
         handle = compressed[inputs[0]].register_forward_hook(hook)
         try:
-            self.passes += 1
-            self.stream.run(self.layer)
+            self.context.run()
         finally:
             handle.remove()
         hat.check_finite(f"layer {self.index} compressed MLP intermediate")
@@ -240,8 +231,7 @@ class _LayerCompressor:
         target = torch.linalg.solve(damped(hat_moment, self.config.damping), cross_moment.T.to(hat_moment)).T
         target = down.weight.detach().to(torch.float64) @ target
         error = proxy_error(target, B, A, hat_moment)
-        self.entries[down_name] = _entry(down, replacement, error, method="joint_mlp_streaming")
-        self.adapter.set_linear(self.layer, down_name, replacement)
+        self.context.replace(down_name, replacement, entry(down, replacement, error, method="joint_mlp_streaming"))
 
     def _auxiliary(self, inputs, down_name: str) -> bool:
         """Joint auxiliary-variable MLP on a token subsample; False (→ streaming) when unsupported."""
@@ -259,8 +249,7 @@ class _LayerCompressor:
 
         handle = modules[0].register_forward_hook(hook)
         try:
-            self.passes += 1
-            self.stream.run(self.layer)
+            self.context.run()
         finally:
             handle.remove()
         X = torch.cat(rows)
@@ -280,9 +269,9 @@ class _LayerCompressor:
             B, A = result.factors[role]
             replacement = LatentLinear.from_factors(B, A, junction=self.config.junction, dtype=module.weight.dtype,
                                                     device=module.weight.device)
-            self.entries[name] = _entry(module, replacement, float(result.output_errors[result.best_iteration]),
-                                        method="joint_mlp_auxiliary", output_errors=result.output_errors)
-            self.adapter.set_linear(self.layer, name, replacement)
+            error = float(result.output_errors[result.best_iteration])
+            self.context.replace(name, replacement, entry(module, replacement, error, method="joint_mlp_auxiliary",
+                                                          output_errors=result.output_errors))
         return True
 
 
@@ -298,69 +287,3 @@ def _activation_name(activation) -> str | None:
     return None
 
 
-@torch.no_grad()
-def compress_latentllm(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
-                       checkpoint_dir=None) -> tuple[nn.Module, dict]:
-    """Compress ``model`` in place with LatentLLM; returns ``(model, report)`` (keys of compress._summary + ``latentllm``)."""
-    start = time.perf_counter()
-    adapter = adapter_for(model)
-    layers = adapter.decoder_layers(model)
-    targets = _targets(adapter, config)
-    _check_weights_finite(model, adapter, targets)
-    if calibration.ndim != 2:
-        raise CalibrationError(f"calibration must be token blocks [n_blocks, seq_len], got shape {tuple(calibration.shape)}")
-    widest = max(adapter.get_linear(layers[0], n).in_features for n in targets)
-    if calibration.numel() < widest:
-        raise CalibrationError(f"calibration has {calibration.numel()} tokens, fewer than the widest projection input "
-                               f"({widest}); its statistics would be singular — give at least {widest} tokens")
-    model.eval()
-    timings = {"capture": 0.0, "allocation": 0.0, "layers": 0.0}
-    t0 = time.perf_counter()
-    stream = capture_stream(model, adapter, calibration, config.batch_size)
-    timings["capture"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    allocation_report = {}
-    if config.allocation == "global":
-        from .allocation import global_plan
-
-        plan, allocation_report = global_plan(model, adapter, config, stream, targets, calibration)
-    else:
-        plan = plan_ranks(model, config)
-    timings["allocation"] = time.perf_counter() - t0
-    checkpoint = _Checkpoint(checkpoint_dir, _fingerprint(model, config, calibration)) if checkpoint_dir else None
-    first_layer, layer_reports = 0, []
-    if checkpoint is not None:
-        first_layer, layer_reports = checkpoint.restore(model, adapter, stream, plan, config)
-    bar = tqdm(range(first_layer, len(layers)), desc=f"latentllm {config.ratio:g}", disable=not progress,
-               initial=first_layer, total=len(layers))
-    for index in bar:
-        layer = layers[index]
-        layer_start = time.perf_counter()
-        teacher_stream = stream.advance(layer) if config.statistics == "teacher" else None
-        worker = _LayerCompressor(model, adapter, layer, index, stream, plan, config, targets)
-        worker.originals = {n: adapter.get_linear(layer, n) for n in adapter.linear_names}
-        worker.attention()
-        worker.mlp()
-        stream = teacher_stream if teacher_stream is not None else stream.advance(layer)
-        seconds = time.perf_counter() - layer_start
-        layer_reports.append({"layer": index, "seconds": seconds, "matrices": worker.entries,
-                              "passes": worker.passes, **worker.extra})
-        mean_error = sum(e["proxy_error"] for e in worker.entries.values()) / max(1, len(worker.entries))
-        log.info("layer %d: mean proxy error %.4f, %d passes, %.1fs", index, mean_error, worker.passes, seconds)
-        bar.set_postfix(proxy=f"{mean_error:.3f}")
-        if checkpoint is not None:
-            checkpoint.save_layer(index, layer, stream, layer_reports)
-    bar.close()
-    lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
-    timings["layers"] = time.perf_counter() - start - timings["capture"] - timings["allocation"]
-    if config.latent_attention and all(n in targets for n in ("k", "v")):
-        from ..adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
-
-        to_latent_attention(model)
-        allocation_report["cache_numbers_per_token"] = latent_cache_numbers_per_token(model)
-    timings["total"] = time.perf_counter() - start
-    report = _summary(model, adapter, config, plan, layer_reports, timings)
-    report["latentllm"] = {"ranks": {f"{i}.{n}": r for (i, n), r in sorted(plan.items())}, **allocation_report}
-    if checkpoint is not None:
-        checkpoint.finish()
-    return model, report

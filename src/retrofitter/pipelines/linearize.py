@@ -25,30 +25,24 @@ import json
 import logging
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters.hybrid_attention import HybridSelfAttention, hybrid_attention_modules, swap_to_hybrid
 from ..config import LinearizeConfig
+from .lora import lora_finetune
+from .resume import RunDirectory, fingerprint
+from .training import make_accelerator
 
 __all__ = ["TRANSFER_LOSS_SCALE", "TransferRecorder", "swap_attention", "transfer_mse", "attention_transfer",
-           "linearize_model", "make_accelerator"]
+           "linearize_model"]
 
 log = logging.getLogger(__name__)
 
 TRANSFER_LOSS_SCALE = 1000.0  # LoLCATs scales the attention-output MSE so Adam sees O(1) losses
-
-
-def make_accelerator(device: torch.device | str = "cpu"):
-    """An ``accelerate.Accelerator`` for ``device`` (CPU runs use gloo under ``accelerate launch --cpu``)."""
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=torch.device(device).type == "cpu")
 
 
 class TransferRecorder:
@@ -152,30 +146,18 @@ def _joint_transfer(model, blocks, config, accelerator, progress) -> dict:
     return {"mode": "joint", "steps": len(steps) * config.transfer_epochs, "train_mse_history": dict(history)}
 
 
-# ---- block-wise mode ----------------------------------------------------------------------------
-def _progress_path(work_dir: Path) -> Path:
-    return work_dir / "progress.json"
+# ---- block-wise mode: the work directory (pipelines/resume.py) holds inputs/layer_LLL/batch_BBBBB,
+# params/layer_LLL and the progress {"captured", "n_batches", "done_layers": {layer: mse per epoch}}.
+def _input_name(layer: int, batch: int) -> str:
+    return f"inputs/layer_{layer:03d}/batch_{batch:05d}"
 
 
-def _read_progress(work_dir: Path, fingerprint: dict) -> dict:
-    path = _progress_path(work_dir)
-    if not path.exists():
-        return {"fingerprint": fingerprint, "captured": False, "done_layers": {}}
-    progress = json.loads(path.read_text())
-    if progress.get("fingerprint") != fingerprint:
-        raise ValueError(f"{work_dir} holds block-wise transfer state of a different run ({progress.get('fingerprint')}); "
-                         f"use another work directory or delete it")
-    return progress
-
-
-def _write_progress(work_dir: Path, progress: dict) -> None:
-    tmp = _progress_path(work_dir).with_suffix(".tmp")
-    tmp.write_text(json.dumps(progress, indent=2, sort_keys=True))
-    tmp.replace(_progress_path(work_dir))
+def _params_name(layer: int) -> str:
+    return f"params/layer_{layer:03d}"
 
 
 @torch.no_grad()
-def _capture_layer_inputs(model, modules, blocks, batch_size, work_dir: Path, progress: bool) -> int:
+def _capture_layer_inputs(model, modules, blocks, batch_size, run_dir: RunDirectory, progress: bool) -> int:
     """Teacher pass: write every hybrid layer's attention input per batch to ``inputs/L{l}/B{i}``."""
     device = next(model.parameters()).device
     batch_index = {"value": 0}
@@ -183,9 +165,7 @@ def _capture_layer_inputs(model, modules, blocks, batch_size, work_dir: Path, pr
 
     def grab(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        layer_dir = work_dir / "inputs" / f"layer_{module.layer_idx:03d}"
-        layer_dir.mkdir(parents=True, exist_ok=True)
-        save_file({"hidden": hidden.contiguous()}, layer_dir / f"batch_{batch_index['value']:05d}.safetensors")
+        run_dir.save_tensors(_input_name(module.layer_idx, batch_index["value"]), {"hidden": hidden})
         if "cos" not in rotary:
             cos, sin = kwargs["position_embeddings"]
             rotary.update(cos=cos.contiguous(), sin=sin.contiguous())
@@ -203,19 +183,18 @@ def _capture_layer_inputs(model, modules, blocks, batch_size, work_dir: Path, pr
             handle.remove()
         for m in modules:
             m.mode = "hybrid"
-    save_file(rotary, work_dir / "inputs" / "rotary.safetensors")
+    run_dir.save_tensors("inputs/rotary", rotary)
     return len(steps)
 
 
-def _train_one_layer(module: HybridSelfAttention, work_dir: Path, n_batches: int, config, accelerator,
+def _train_one_layer(module: HybridSelfAttention, run_dir: RunDirectory, n_batches: int, config, accelerator,
                      shard_batches: bool) -> list[float]:
     """Train one layer's feature maps + mixing weights on its cached teacher inputs; MSE per epoch."""
     device = accelerator.device
-    rotary = load_file(work_dir / "inputs" / "rotary.safetensors", device=str(device))
+    rotary = run_dir.load_tensors("inputs/rotary", device)
     position_embeddings = (rotary["cos"], rotary["sin"])
     parameters = module.hybrid.trainable_parameters()
     optimizer = torch.optim.Adam(parameters, lr=config.transfer_lr)
-    layer_dir = work_dir / "inputs" / f"layer_{module.layer_idx:03d}"
     batches = list(range(n_batches))
     if shard_batches:
         batches = batches[accelerator.process_index::accelerator.num_processes]
@@ -223,7 +202,7 @@ def _train_one_layer(module: HybridSelfAttention, work_dir: Path, n_batches: int
     for _ in range(config.transfer_epochs):
         total = 0.0
         for index in batches:
-            hidden = load_file(layer_dir / f"batch_{index:05d}.safetensors", device=str(device))["hidden"]
+            hidden = run_dir.load_tensors(_input_name(module.layer_idx, index), device)["hidden"]
             with torch.no_grad():
                 q, k, v = module.project(hidden, position_embeddings)
                 teacher = module.softmax_attention(q, k, v, None)
@@ -241,57 +220,50 @@ def _train_one_layer(module: HybridSelfAttention, work_dir: Path, n_batches: int
     return epoch_mse
 
 
-def _blockwise_transfer(model, blocks, config, accelerator, progress, work_dir: Path) -> dict:
+def _blockwise_transfer(model, blocks, config, accelerator, progress, work_dir) -> dict:
     """Cache teacher inputs per layer once, then train layers one by one; resumable."""
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
     modules = hybrid_attention_modules(model)
     _freeze_all_but(model, _trainable_transfer_parameters(modules.values()))
     transfer_fields = {k: v for k, v in config.to_dict().items() if not k.startswith("lora")}
-    fingerprint = {"blocks": list(blocks.shape), "block_checksum": int(blocks.sum()), "config": transfer_fields,
-                   "layers": sorted(modules)}
-    fingerprint = json.loads(json.dumps(fingerprint))  # as it reads back from progress.json
-    progress_state = _read_progress(work_dir, fingerprint)
-    if not progress_state["captured"]:
+    run_dir = RunDirectory(work_dir, fingerprint(transfer_fields, blocks, sorted(modules)))
+    state = run_dir.load_progress() or {"captured": False, "done_layers": {}}
+    if not state["captured"]:
         if accelerator.is_main_process:
-            n_batches = _capture_layer_inputs(model, modules.values(), blocks, config.batch_size, work_dir, progress)
-            progress_state.update(captured=True, n_batches=n_batches)
-            _write_progress(work_dir, progress_state)
+            n_batches = _capture_layer_inputs(model, modules.values(), blocks, config.batch_size, run_dir, progress)
+            state.update(captured=True, n_batches=n_batches)
+            run_dir.save_progress(state)
         accelerator.wait_for_everyone()
-        progress_state = _read_progress(work_dir, fingerprint)
+        state = run_dir.load_progress()
     else:
-        log.info("block-wise transfer: teacher inputs already cached in %s", work_dir)
+        log.info("block-wise transfer: teacher inputs already cached in %s", run_dir.path)
     world, rank = accelerator.num_processes, accelerator.process_index
     # Layers are independent: one per process when there are several (no gradient exchange needed).
-    params_dir = work_dir / "params"
-    params_dir.mkdir(exist_ok=True)
-    todo = [layer for layer in sorted(modules) if str(layer) not in progress_state["done_layers"]]
+    todo = [layer for layer in sorted(modules) if str(layer) not in state["done_layers"]]
     for layer in tqdm(todo, desc="block-wise transfer", disable=not progress, leave=False):
         if world > 1 and layer % world != rank:
             continue
         module = modules[layer]
-        epoch_mse = _train_one_layer(module, work_dir, progress_state["n_batches"], config, accelerator,
-                                     shard_batches=False)
-        save_file({k: v.detach().contiguous() for k, v in module.hybrid.state_dict().items()},
-                  params_dir / f"layer_{layer:03d}.safetensors")
+        epoch_mse = _train_one_layer(module, run_dir, state["n_batches"], config, accelerator, shard_batches=False)
+        run_dir.save_tensors(_params_name(layer), module.hybrid.state_dict())
         if world == 1:
-            progress_state["done_layers"][str(layer)] = epoch_mse
-            _write_progress(work_dir, progress_state)
+            state["done_layers"][str(layer)] = epoch_mse
+            run_dir.save_progress(state)
         else:
-            (params_dir / f"layer_{layer:03d}.json").write_text(json.dumps(epoch_mse))
+            (run_dir.path / f"{_params_name(layer)}.json").write_text(json.dumps(epoch_mse))
         log.info("transfer layer %d: mse per epoch %s", layer, epoch_mse)
     accelerator.wait_for_everyone()
     if world > 1 and accelerator.is_main_process:
         for layer in todo:
-            progress_state["done_layers"][str(layer)] = json.loads((params_dir / f"layer_{layer:03d}.json").read_text())
-        _write_progress(work_dir, progress_state)
+            state["done_layers"][str(layer)] = json.loads((run_dir.path / f"{_params_name(layer)}.json").read_text())
+        run_dir.save_progress(state)
     accelerator.wait_for_everyone()
-    progress_state = _read_progress(work_dir, fingerprint)
+    state = run_dir.load_progress()
     for layer, module in modules.items():  # done earlier, by another process, or just now: load the same bytes
-        module.hybrid.load_state_dict(load_file(params_dir / f"layer_{layer:03d}.safetensors",
-                                                device=str(next(module.hybrid.parameters()).device)))
-    return {"mode": "blockwise", "work_dir": str(work_dir), "resumed_layers": sorted(set(map(int, modules)) - set(todo)),
-            "train_mse_history": {int(k): v for k, v in progress_state["done_layers"].items()}}
+        device = next(module.hybrid.parameters()).device
+        module.hybrid.load_state_dict(run_dir.load_tensors(_params_name(layer), device))
+    return {"mode": "blockwise", "work_dir": str(run_dir.path),
+            "resumed_layers": sorted(set(map(int, modules)) - set(todo)),
+            "train_mse_history": {int(k): v for k, v in state["done_layers"].items()}}
 
 
 def attention_transfer(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfig, accelerator=None,
@@ -330,8 +302,6 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
                     on_stage=None) -> tuple[nn.Module, dict]:
     """Swap + stage 1 + stage 2 in place. ``on_stage(name, model)`` is called after each stage
     (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. Returns ``(model, report)``."""
-    from .lora import lora_finetune
-
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
 from ..config import LinearizeConfig
+from .training import make_accelerator
 
 __all__ = ["LORA_TARGETS", "ChunkedNextTokenLoss", "lora_target_module_names", "lora_finetune"]
 
@@ -84,8 +85,6 @@ def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfi
     merged weights are identical on every process because DDP averages the LoRA gradients.
     """
     from peft import LoraConfig, get_peft_model
-
-    from .linearize import make_accelerator
 
     if blocks.ndim != 2 or blocks.shape[1] < 2:
         raise ValueError(f"LoRA blocks must be [N, seq_len >= 2]; got {tuple(blocks.shape)}")

@@ -1,0 +1,97 @@
+"""Local activation-aware SVD of each projection: the per-layer strategy of the svd / asvd-* / svd-llm methods.
+
+Each target W [d', d] with input second moment C (float64) becomes a ``LatentLinear`` of its planned
+rank r from the weighted SVD of W P (P from C by ``config.preconditioner``, design.md §3); with a
+bias, the fit uses the centered C0 = C − μμᵀ and the bias is compensated, b̂ = b + (W − BA)μ.
+
+Where the statistics come from (``CompressConfig.refit_within_layer``):
+* ``False`` — one pass of the original layer gives the input moments of every projection group;
+* ``True`` — group by group in execution order (q/k/v, o, gate/up, down), each group's input moments
+  are collected after the groups before it in the same layer were replaced (o sees the compressed
+  q/k/v, the MLP the compressed attention).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..linalg.moments import SecondMomentAccumulator
+from ..linalg.svd import bias_compensation, build_preconditioner, proxy_error, weighted_svd
+from ..modules.latent_linear import LatentLinear
+from .sequential import LayerContext
+
+__all__ = ["LocalSVDStrategy", "fit_local", "entry"]
+
+
+def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumulator,
+              preconditioners: dict | None = None, svd_cache: dict | None = None, **extra) -> None:
+    """Replace projection ``name`` of the context's layer by its rank-``plan`` local fit on ``accumulator``.
+
+    ``preconditioners`` (id(accumulator) -> (accumulator, P)) lets projections that share an input share one
+    eigendecomposition; ``svd_cache`` ((layer, name, preconditioner, damping) -> full weighted SVD) lets
+    another ratio of the same model only truncate.
+    """
+    config, linear = context.config, context.linear(name)
+    rank = context.plan[(context.index, name)]
+    has_bias = linear.bias is not None
+    # centered statistics with a bias (the bias absorbs the mean), raw second moment without
+    moment = accumulator.covariance() if has_bias else accumulator.second_moment
+    key = (context.index, name, config.preconditioner, config.damping)
+    svd = svd_cache.get(key) if svd_cache is not None else None
+    if svd is None:
+        # keyed by id, holding the accumulator too: a freed accumulator's id could be reused
+        _, shared = (preconditioners or {}).get(id(accumulator), (None, None))
+        if shared is None:
+            shared = build_preconditioner(moment, linear.in_features, config.preconditioner, config.damping,
+                                          context.where(name), linear.weight.device)
+            if preconditioners is not None:
+                preconditioners[id(accumulator)] = (accumulator, shared)
+        svd = weighted_svd(linear.weight, moment, shared, name=context.where(name))
+        if svd_cache is not None:
+            svd_cache[key] = svd
+    B, A = svd.factors(rank)
+    bias = bias_compensation(linear.weight, B, A, linear.bias.detach(), accumulator.mean) if has_bias else None
+    replacement = LatentLinear.from_factors(B, A, bias=bias, junction=config.junction, dtype=linear.weight.dtype,
+                                            device=linear.weight.device)
+    context.replace(name, replacement, entry(linear, replacement, proxy_error(linear.weight, B, A, moment), **extra))
+
+
+def entry(linear: nn.Module, replacement: LatentLinear, error: float, **extra) -> dict:
+    """The report entry of one replaced projection."""
+    return {"rank": replacement.rank, "in": linear.in_features, "out": linear.out_features,
+            "params_before": linear.weight.numel(), "params_after": replacement.num_weight_params(),
+            "proxy_error": error, **extra}
+
+
+class LocalSVDStrategy:
+    """Per-layer strategy: every target gets its own activation-aware SVD (module docstring).
+
+    ``svd_cache`` (optional dict, shared across runs on the same statistics) keeps each matrix's full
+    weighted SVD; used with one statistics pass, not with ``refit_within_layer``.
+    """
+
+    def __init__(self, svd_cache: dict | None = None):
+        self.svd_cache = svd_cache
+
+    def fit_layer(self, context: LayerContext) -> None:
+        adapter, targets = context.adapter, context.targets
+        groups = [[n for n in group if n in targets] for group in adapter.linear_groups]
+        groups = [(group, leader) for group, leader in zip(groups, (g[0] for g in adapter.linear_groups)) if group]
+        preconditioners: dict = {}
+        if context.precomputed is not None:  # layer index -> name -> accumulator, computed beforehand
+            for group, _ in groups:
+                for name in group:
+                    fit_local(context, name, context.precomputed[name], preconditioners, self.svd_cache)
+        elif context.config.refit_within_layer:
+            for group, leader in groups:
+                accumulator = context.moments({leader: context.linear(leader)})[leader]
+                for name in group:
+                    fit_local(context, name, accumulator, preconditioners, self.svd_cache)
+        else:
+            moments = context.moments({leader: context.linear(leader) for _, leader in groups})
+            for group, leader in groups:
+                for name in group:
+                    fit_local(context, name, moments[leader], preconditioners, self.svd_cache)
+
+    def finish(self, model: nn.Module, targets: list[str]) -> dict:
+        return {}

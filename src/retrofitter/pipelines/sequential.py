@@ -1,0 +1,267 @@
+"""The one sequential layer loop of every compression (design.md §3, "Sequential pipeline").
+
+    capture the inputs of decoder layer 0 for the calibration blocks
+    plan ranks (uniform, or global: one teacher pass over all layers, pipelines/allocation.py)
+    for each decoder layer l (resuming after the last finished layer):
+        fit:        the *strategy* collects statistics over the stream, factorizes and replaces
+                    the layer's projections (pipelines/local_svd.py, pipelines/latentllm.py)
+        propagate:  the stream advances through the compressed layer (statistics="compressed") or
+                    is the original layer's output (statistics="teacher")
+        checkpoint: the layer's weights, the stream and the reports (pipelines/resume.py)
+    finish: exact channel permutation of the MLPs, then the strategy's own last step
+
+Strategies own no loop: they receive a :class:`LayerContext` per layer, whose ``moments`` and
+``run`` are the only ways to pass data through the layer (so the loop knows when the original
+layer's outputs, needed by ``statistics="teacher"``, were computed). A strategy may also run on
+precomputed statistics (``LayerContext.precomputed``: one teacher pass shared by several runs).
+Peak memory ≈ model + one layer's statistics + the calibration activations at one layer boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..adapters import ModelAdapter, adapter_for
+from ..adapters.mlp_permutation import lead_mlp_pivots
+from ..config import CompressConfig
+from ..eval.resources import current_rss_mb, peak_rss_mb
+from ..linalg.moments import SecondMomentAccumulator
+from ..modules.latent_linear import LatentLinear
+from .calibration import LayerStream, capture_stream, collect_input_moments
+from .resume import RunDirectory, fingerprint
+
+__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "Planner", "run_sequential", "target_names",
+           "check_compressible", "summarize"]
+
+log = logging.getLogger(__name__)
+
+# (layer index, projection name) -> rank, and a report of how the plan was made
+Plan = dict[tuple[int, str], int]
+Planner = Callable[[LayerStream | None], tuple[Plan, dict]]
+
+
+class CalibrationError(ValueError):
+    """Calibration data cannot support the requested compression."""
+
+
+@dataclass
+class LayerContext:
+    """What a strategy sees of one decoder layer, and what it reports back (``entries``, ``extra``)."""
+
+    adapter: ModelAdapter
+    model: nn.Module
+    layer: nn.Module
+    index: int
+    plan: Plan
+    config: CompressConfig
+    targets: list[str]
+    stream: LayerStream | None = None  # inputs of this layer per calibration batch
+    precomputed: dict | None = None  # projection name -> SecondMomentAccumulator (instead of a stream)
+    entries: dict = field(default_factory=dict)  # projection name -> report entry
+    extra: dict = field(default_factory=dict)  # per-layer report fields of the strategy
+    passes: int = 0  # passes over the calibration stream
+    teacher_outputs: LayerStream | None = None  # the original layer's outputs, when recorded
+    originals: dict = field(default_factory=dict)  # projection name -> the module before replacement
+
+    def __post_init__(self):
+        self.originals = {name: self.linear(name) for name in self.adapter.linear_names}
+
+    def linear(self, name: str) -> nn.Module:
+        """The projection ``name`` as it is now (original or already replaced)."""
+        return self.adapter.get_linear(self.layer, name)
+
+    def where(self, name: str) -> str:
+        return f"layer {self.index} input of {name!r} ({self.adapter.linear_path_in_model(self.index, name)})"
+
+    def _record_outputs(self) -> bool:
+        """Keep this pass's outputs: the teacher stream, while the layer is still the original."""
+        unchanged = all(self.linear(n) is m for n, m in self.originals.items())
+        return self.config.statistics == "teacher" and self.teacher_outputs is None and unchanged
+
+    def moments(self, modules: dict[str, nn.Module]) -> dict[str, SecondMomentAccumulator]:
+        """One pass: second moments of the inputs of ``modules`` (name -> module), checked finite."""
+        if self.stream is None:
+            raise ValueError("this strategy needs the calibration stream; precomputed statistics do not suffice")
+        self.passes += 1
+        if self._record_outputs():
+            accumulators, self.teacher_outputs = collect_input_moments(self.layer, self.stream, modules,
+                                                                       keep_outputs=True)
+        else:
+            accumulators = collect_input_moments(self.layer, self.stream, modules)
+        for name, accumulator in accumulators.items():
+            accumulator.check_finite(self.where(name))
+        return accumulators
+
+    def run(self) -> None:
+        """One pass of the layer over the stream, for the forward hooks the caller registered."""
+        self.passes += 1
+        if self._record_outputs():
+            self.teacher_outputs = self.stream.advance(self.layer)
+        else:
+            self.stream.run(self.layer)
+
+    def replace(self, name: str, module: nn.Module, entry: dict) -> None:
+        self.entries[name] = entry
+        self.adapter.set_linear(self.layer, name, module)
+
+
+class LayerStrategy(Protocol):
+    """A per-layer compression method: ``fit_layer`` replaces the context's projections;
+    ``finish`` runs once after the last layer and returns extra report fields."""
+
+    def fit_layer(self, context: LayerContext) -> None: ...
+
+    def finish(self, model: nn.Module, targets: list[str]) -> dict: ...
+
+
+def target_names(adapter: ModelAdapter, config: CompressConfig) -> list[str]:
+    """The adapter's projection names selected by ``config.targets`` (all when empty), in layer order."""
+    names = list(adapter.linear_names)
+    unknown = [t for t in config.targets if t not in names]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown} for {adapter.family} models; their projections are {names}")
+    return [n for n in names if not config.targets or n in config.targets]
+
+
+def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[str],
+                       calibration: torch.Tensor | None) -> None:
+    """Fail before any work: non-finite weights, calibration of the wrong shape or too few tokens."""
+    layers = adapter.decoder_layers(model)
+    for index, layer in enumerate(layers):
+        for name in targets:
+            if not torch.isfinite(adapter.get_linear(layer, name).weight).all():
+                raise ValueError(f"non-finite values (NaN/Inf) in the weights of layer {index} projection {name!r} "
+                                 f"({adapter.linear_path_in_model(index, name)})")
+    if calibration is None:
+        return
+    if calibration.ndim != 2:
+        raise CalibrationError(f"calibration must be token blocks [n_blocks, seq_len], got shape {tuple(calibration.shape)}")
+    widest = max(adapter.get_linear(layers[0], n).in_features for n in targets)
+    if calibration.numel() < widest:
+        raise CalibrationError(f"calibration has {calibration.numel()} tokens, fewer than the widest projection input "
+                               f"({widest}); its statistics would be singular — give at least {widest} tokens "
+                               f"(thousands more is better)")
+
+
+@torch.no_grad()
+def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStrategy, planner: Planner, *,
+                   calibration: torch.Tensor | None = None, precomputed: dict | None = None, progress: bool = True,
+                   checkpoint_dir=None) -> tuple[nn.Module, dict]:
+    """Compress ``model`` in place (module docstring); returns ``(model, report)``.
+
+    Give either ``calibration`` token blocks [n_blocks, seq_len] (the stream is captured and
+    propagated) or ``precomputed`` statistics (layer index -> projection name -> accumulator).
+    ``checkpoint_dir`` makes the run resumable; it is removed when the run completes.
+    """
+    start = time.perf_counter()
+    adapter = adapter_for(model)
+    layers = adapter.decoder_layers(model)
+    targets = target_names(adapter, config)
+    check_compressible(model, adapter, targets, calibration)
+    model.eval()
+    timings = {"capture": 0.0, "allocation": 0.0, "fit": 0.0, "propagation": 0.0}
+    stream = None
+    if calibration is not None:
+        t0 = time.perf_counter()
+        stream = capture_stream(model, adapter, calibration, config.batch_size)
+        timings["capture"] = time.perf_counter() - t0
+    rss_after_capture = current_rss_mb()
+    t0 = time.perf_counter()
+    plan, plan_report = planner(stream)
+    timings["allocation"] = time.perf_counter() - t0
+
+    run_dir, first, reports = None, 0, []
+    if checkpoint_dir is not None and stream is not None:
+        run_dir = RunDirectory(checkpoint_dir, fingerprint(config.to_dict(), calibration,
+                                                           str(getattr(model, "name_or_path", "")),
+                                                           model.config.to_dict()))
+        first, reports, stream = _restore(run_dir, model, adapter, stream, config)
+        if first:
+            log.info("resuming compression after layer %d from %s", first - 1, run_dir.path)
+
+    bar = tqdm(range(first, len(layers)), desc=f"compress {config.method} {config.ratio:g}", disable=not progress,
+               initial=first, total=len(layers))
+    for index in bar:
+        layer_start = time.perf_counter()
+        context = LayerContext(adapter, model, layers[index], index, plan, config, targets, stream=stream,
+                               precomputed=None if precomputed is None else precomputed[index])
+        strategy.fit_layer(context)
+        timings["fit"] += time.perf_counter() - layer_start
+        t0 = time.perf_counter()
+        if stream is not None:
+            if config.statistics == "teacher":
+                if context.teacher_outputs is None:
+                    raise RuntimeError(f"layer {index}: the strategy replaced projections before any pass over the "
+                                       f"stream, so the original layer's outputs were never computed")
+                stream = context.teacher_outputs
+            else:
+                stream = stream.advance(layers[index])
+        timings["propagation"] += time.perf_counter() - t0
+        # RSS after each layer: with the process peak it locates where compression holds its memory
+        reports.append({"layer": index, "seconds": time.perf_counter() - layer_start, "matrices": context.entries,
+                        "passes": context.passes, "rss_mb": current_rss_mb(), **context.extra})
+        mean_error = sum(e["proxy_error"] for e in context.entries.values()) / max(1, len(context.entries))
+        log.info("layer %d: mean proxy error %.4f, %d passes, %.1fs", index, mean_error, context.passes,
+                 reports[-1]["seconds"])
+        bar.set_postfix(proxy=f"{mean_error:.3f}")
+        if run_dir is not None:
+            _save_layer(run_dir, index, layers[index], stream, reports)
+    bar.close()
+    pivoted = lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
+    finished = strategy.finish(model, targets)
+    timings["total"] = time.perf_counter() - start
+    report = summarize(config, reports, timings)
+    report.update(rss_after_capture_mb=rss_after_capture, mlp_layers_with_leading_pivots=pivoted,
+                  allocation=plan_report, ranks={f"{i}.{n}": r for (i, n), r in sorted(plan.items())}, **finished)
+    if run_dir is not None:
+        run_dir.remove()
+    return model, report
+
+
+def summarize(config: CompressConfig, layer_reports: list[dict], timings: dict) -> dict:
+    """The report fields every compression has (parameters of the targets before/after, per layer, timings)."""
+    before = sum(e["params_before"] for r in layer_reports for e in r["matrices"].values())
+    after = sum(e["params_after"] for r in layer_reports for e in r["matrices"].values())
+    return {
+        "method": config.method,
+        "ratio": config.ratio,
+        "config": config.to_dict(),
+        "targets_params_before": before,
+        "targets_params_after": after,
+        "targets_reduction": 1.0 - after / before if before else 0.0,
+        "layers": layer_reports,
+        "timings_s": timings,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def _save_layer(run_dir: RunDirectory, index: int, layer: nn.Module, stream: LayerStream, reports: list) -> None:
+    run_dir.save_tensors(f"layer_{index}", layer.state_dict())
+    run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
+    run_dir.save_progress({"layers_done": index + 1, "reports": reports})
+
+
+def _restore(run_dir: RunDirectory, model, adapter, stream: LayerStream, config) -> tuple[int, list, LayerStream]:
+    """Finished layers rebuilt from the work directory, and the stream at the next boundary."""
+    state = run_dir.load_progress()
+    if state is None:
+        return 0, [], stream
+    layers = adapter.decoder_layers(model)
+    for index in range(state["layers_done"]):
+        layer = layers[index]
+        for name, info in state["reports"][index]["matrices"].items():
+            linear = adapter.get_linear(layer, name)
+            adapter.set_linear(layer, name, LatentLinear(info["in"], info["out"], info["rank"], junction=config.junction,
+                                                         bias=linear.bias is not None, dtype=linear.weight.dtype,
+                                                         device=linear.weight.device))
+        layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
+    saved = run_dir.load_tensors("stream")
+    hidden = [saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)]
+    return state["layers_done"], state["reports"], LayerStream(hidden, stream.layer_kwargs, stream.token_count)
