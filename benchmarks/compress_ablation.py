@@ -1,4 +1,4 @@
-"""LatentLLM ablation on the default model (review objections 1 and 2; design.md §3).
+"""LatentLLM ablation on the default model: which part brings the gain (design.md §3).
 
 Variants ("parts"), each at every ratio, same total linear-parameter budget:
 
@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 
-from retrofitter.api import load_model, write_json
+from common import perplexities
+from retrofitter.api import compress, load_model, write_json
 from retrofitter.config import CompressConfig
 from retrofitter.data.blocks import token_blocks
 from retrofitter.data.corpora import load_text
 from retrofitter.eval.accounting import account
-from retrofitter.eval.perplexity import perplexity
-from retrofitter.pipelines.compress import compress_model
 
 _UNIFORM = dict(allocation="uniform")
 _LATENT = dict(method="latentllm", joint_qk=True, joint_mlp=True, joint_vo=False, mlp_algorithm="streaming")
@@ -60,19 +59,14 @@ PARTS: dict[str, dict] = {
 RESULTS = Path(__file__).parent / "results"
 
 
-def evaluate(model, eval_blocks, batch_size) -> dict:
-    return {name: perplexity(model, blocks, batch_size=batch_size, progress=False).ppl
-            for name, blocks in eval_blocks.items()}
-
-
 def run_one(args, label, settings, calibration, eval_blocks, extra="") -> dict:
     model, _ = load_model(args.model)
     base = account(model)
     start = time.perf_counter()
-    model, report = compress_model(model, CompressConfig(ratio=settings.pop("ratio"), batch_size=args.batch_size,
+    model, report = compress(model, CompressConfig(ratio=settings.pop("ratio"), batch_size=args.batch_size,
                                                          **settings), calibration, progress=False)
     seconds = time.perf_counter() - start
-    ppl = evaluate(model, eval_blocks, args.batch_size)
+    ppl = perplexities(model, eval_blocks, args.batch_size)
     acc = account(model)
     layers = report["layers"]
     qk_errors = [r["qk_score_error"] for r in layers if "qk_score_error" in r]
@@ -194,7 +188,7 @@ def main() -> None:
 
     payload = results.update(start)
     if not args.skip_original and "original" not in payload:
-        original = evaluate(model, eval_blocks, args.batch_size)
+        original = perplexities(model, eval_blocks, args.batch_size)
         print("original", original, flush=True)
         results.update(lambda p: p.__setitem__("original", original))
     del model

@@ -22,37 +22,21 @@ import argparse
 import copy
 import datetime
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from retrofitter.api import load_model, write_json
+from common import machine_info, perplexities
+from retrofitter.api import (compress, compress_from_statistics, global_plan_from_statistics, load_model,
+                             teacher_statistics, write_json)
 from retrofitter.config import CompressConfig
 from retrofitter.data.blocks import token_blocks
 from retrofitter.data.corpora import load_text
 from retrofitter.eval.accounting import account
-from retrofitter.eval.perplexity import perplexity
 from retrofitter.eval.resources import peak_rss_mb, sampled_rss
-from retrofitter.pipelines.compress import (collect_teacher_moments, compress_model, compress_with_moments,
-                                            teacher_global_plan)
 
 METHODS = ["svd", "asvd-hessian", "asvd-l2", "asvd-cov", "asvd-rootcov", "svd-llm"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def evaluate_ppl(model, eval_blocks, batch_size) -> dict:
-    return {name: perplexity(model, blocks, batch_size=batch_size, progress=False).ppl for name, blocks in eval_blocks.items()}
 
 
 def row(label, method, ratio, model, before, ppl, seconds, note="", fit_seconds=None) -> dict:
@@ -111,10 +95,10 @@ def main() -> None:
     before = account(original)
     rows = []
     t0 = time.perf_counter()
-    rows.append(row("original", "original", None, original, before, evaluate_ppl(original, eval_blocks, 4), 0.0))
+    rows.append(row("original", "original", None, original, before, perplexities(original, eval_blocks, 4), 0.0))
     print(markdown(rows[-1:], corpora), flush=True)
     t0 = time.perf_counter()
-    moments = collect_teacher_moments(original, calibration, batch_size=args.batch_size)
+    moments = teacher_statistics(original, calibration, batch_size=args.batch_size)
     statistics_seconds = time.perf_counter() - t0
     print(f"teacher statistics pass: {statistics_seconds:.0f}s", flush=True)
     extra_ratios = [float(r) for r in args.extra_ratios.split(",") if r]
@@ -135,10 +119,10 @@ def main() -> None:
                 model = copy.deepcopy(original)
                 t0 = time.perf_counter()
                 try:
-                    compress_with_moments(model, CompressConfig(ratio=ratio, method=method, statistics="teacher"),
+                    compress_from_statistics(model, CompressConfig(ratio=ratio, method=method, statistics="teacher"),
                                           moments, svd_cache=svd_cache)
                     fit_seconds = time.perf_counter() - t0
-                    ppl = evaluate_ppl(model, eval_blocks, 4)
+                    ppl = perplexities(model, eval_blocks, 4)
                     note = "teacher"
                 except (ValueError, FloatingPointError) as error:  # e.g. an ill-conditioned junction: report it
                     fit_seconds = time.perf_counter() - t0
@@ -158,16 +142,16 @@ def main() -> None:
                         config = CompressConfig(ratio=ratio, method=method, statistics="teacher", allocation="global",
                                                 allocation_weighting=weighting)
                         t0 = time.perf_counter()
-                        plan, plan_report = teacher_global_plan(original, config, moments, svd_cache, calibration,
+                        plan, plan_report = global_plan_from_statistics(original, config, moments, svd_cache, calibration,
                                                                 importance if weighting == "fisher" else None)
                         if weighting == "fisher" and importance is None:
                             importance, gradient_seconds = plan_report["importance"], time.perf_counter() - t0
                         model = copy.deepcopy(original)
-                        compress_with_moments(model, config, moments, svd_cache=svd_cache, plan=plan)
+                        compress_from_statistics(model, config, moments, svd_cache=svd_cache, plan=plan)
                         fit_seconds = time.perf_counter() - t0
                         if weighting == "fisher" and ratio != method_ratios[0]:
                             fit_seconds += gradient_seconds  # the first fisher call already includes it
-                        ppl = evaluate_ppl(model, eval_blocks, 4)
+                        ppl = perplexities(model, eval_blocks, 4)
                         rows.append(row(f"{method}-global-{weighting}@{ratio}", method, ratio, model, before, ppl,
                                         statistics_seconds + first_call_seconds + fit_seconds,
                                         f"teacher, global {weighting}", fit_seconds=fit_seconds))
@@ -186,12 +170,12 @@ def main() -> None:
             memory = {}
             t0 = time.perf_counter()
             with sampled_rss(memory):
-                _, report = compress_model(model, CompressConfig(ratio=ratio, method="asvd-rootcov",
+                _, report = compress(model, CompressConfig(ratio=ratio, method="asvd-rootcov",
                                                                  statistics="compressed", batch_size=args.batch_size),
                                            calibration, progress=False)
             seconds = time.perf_counter() - t0
             rows.append(row(f"asvd-rootcov-seq@{ratio}", "asvd-rootcov", ratio, model, before,
-                            evaluate_ppl(model, eval_blocks, 4), seconds, "sequential", fit_seconds=seconds))
+                            perplexities(model, eval_blocks, 4), seconds, "sequential", fit_seconds=seconds))
             rows[-1]["method_peak_rss_mb"] = memory["peak_mb"]
             rows[-1]["timings_s"] = report["timings_s"]  # capture / statistics / factorization / propagation
             print(markdown(rows[-1:], corpora).splitlines()[-1], report["timings_s"], flush=True)
@@ -209,7 +193,7 @@ def write_results(args, rows, corpora, calibration, eval_blocks, started, statis
                 "seq_len": args.seq_len, "eval": corpora, "max_eval_tokens": args.max_eval_tokens,
                 "eval_tokens": {c: int(b.numel()) for c, b in eval_blocks.items()},
                 "damping": CompressConfig().damping, "junction": True, "threads": torch.get_num_threads(),
-                "cpu": cpu_name(), "torch": torch.__version__,
+                "cpu": machine_info()["cpu"], "torch": torch.__version__,
                 "date": datetime.date.today().isoformat(), "wall_seconds": time.perf_counter() - started,
                 "statistics_pass_seconds": statistics_seconds}
     table = markdown(rows, corpora)

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from retrofitter.api import evaluation_blocks, linearize, load, load_model, save, write_json
+from retrofitter.api import evaluation_blocks, finetune_lora, linearize, load, load_model, save, write_json
 from retrofitter.config import LINEARIZE_PRESETS, LinearizeConfig
 from retrofitter.data.blocks import token_blocks
 from retrofitter.data.corpora import load_text
-from retrofitter.pipelines.lora import lora_finetune
 from retrofitter.eval.accounting import account
 from retrofitter.eval.bench import bench_models, format_bench_table
 from retrofitter.eval.perplexity import perplexity
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         # The control: the same stage-2 LoRA (rank, lr, tokens, text) on the unmodified model. Part of
         # stage 2's gain is adaptation to the training text; this row separates it out.
         t0 = time.perf_counter()
-        control, control_report = lora_finetune(copy.deepcopy(model), lora_blocks, config, progress=True)
+        control, control_report = finetune_lora(copy.deepcopy(model), lora_blocks, config, progress=True)
         results["timings_s"]["control_lora"] = time.perf_counter() - t0
         results["control_lora"] = {k: v for k, v in control_report.items() if k != "loss_history"}
         record("control", control)

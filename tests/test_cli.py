@@ -115,3 +115,36 @@ def test_compress_with_global_fisher_allocation_and_latentllm_switches(workspace
     assert len(ranks) > 2  # globally allocated, not one rank per shape
     model, _ = retrofitter.load(out)
     assert any(isinstance(m, LatentLinear) for m in model.modules())
+
+
+def test_eval_reports_perplexity_of_an_architecture_without_adapter(tmp_path):
+    from tiny_models import build_tiny_tokenizer, build_tiny_without_adapter
+
+    model_dir = tmp_path / "neox"
+    build_tiny_without_adapter().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SAMPLE_TEXT)
+    assert main(["eval", str(model_dir), "--ppl", str(corpus), "--seq-len", "32", "--json", str(tmp_path / "e.json"),
+                 "--quiet"]) == 0
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert data["ppl"][str(corpus)] > 1
+    assert data["params"]["total"] == sum(p.numel() for p in build_tiny_without_adapter().parameters())
+
+
+def test_every_config_field_has_a_flag_with_the_config_default():
+    import dataclasses
+
+    from retrofitter.cli import build_parser
+    from retrofitter.config import CompressConfig, LinearizeConfig
+
+    parser = build_parser()
+    compress = parser.parse_args(["compress", "m", "--ratio", "0.3", "--out", "o"])
+    names = {f.name for f in dataclasses.fields(CompressConfig)}
+    assert names <= set(vars(compress))  # one flag per field
+    assert all(vars(compress)[n] is None for n in names - {"ratio"})  # unset flags keep the config's default
+    linearize = parser.parse_args(["linearize", "m", "--out", "o", "--no-gradient-checkpointing", "--window", "32",
+                                   "--keep-softmax-layers", "0,1"])
+    assert (linearize.gradient_checkpointing, linearize.window, linearize.keep_softmax_layers) == (False, 32, (0, 1))
+    assert {f.name for f in dataclasses.fields(LinearizeConfig)} - set(vars(linearize)) == {
+        "grad_clip", "lora_dropout", "mix_init"}

@@ -16,24 +16,32 @@ def _common(**kw):
     return base
 
 
+def _opt_config():
+    return transformers.OPTConfig(vocab_size=TINY_VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, enable_bias=True,
+                                  do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0)
+
+
+# One row per supported model family: name -> tiny config. Adding a family to retrofitter = one adapter
+# file + one row here (every adapter/module test is parametrized over these rows).
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_common(rope_theta=10000.0)),
+    "mistral": lambda: transformers.MistralConfig(**_common(sliding_window=None)),
+    "qwen2": lambda: transformers.Qwen2Config(**_common()),
+    "qwen3": lambda: transformers.Qwen3Config(**_common(head_dim=8)),
+    "opt": _opt_config,
+}
+
+FAMILIES = list(TINY_CONFIGS)
+
+
 def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
-    """A tiny random causal LM of ``family`` (llama, mistral, qwen2, qwen3, opt), eval mode."""
+    """A tiny random causal LM of ``family`` (a row of ``TINY_CONFIGS``), eval mode."""
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny family {family!r}; rows: {FAMILIES}")
     torch.manual_seed(seed)
-    if family == "llama":
-        config = transformers.LlamaConfig(**_common(rope_theta=10000.0))
-    elif family == "mistral":
-        config = transformers.MistralConfig(**_common(sliding_window=None))
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**_common())
-    elif family == "qwen3":
-        config = transformers.Qwen3Config(**_common(head_dim=8))
-    elif family == "opt":
-        config = transformers.OPTConfig(vocab_size=TINY_VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                        num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
-                                        bos_token_id=1, eos_token_id=2, pad_token_id=0, enable_bias=True,
-                                        do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0)
-    else:
-        raise ValueError(family)
+    config = TINY_CONFIGS[family]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Random init in HF is small; make the biases nonzero so bias handling is exercised.
     with torch.no_grad():
@@ -41,6 +49,15 @@ def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
             if name.endswith("bias") and param.ndim == 1:
                 param.normal_(0, 0.02)
     return model.eval()
+
+
+def build_tiny_without_adapter(seed: int = 0, dtype=torch.float32):
+    """A tiny random GPT-NeoX causal LM: an architecture retrofitter has no adapter for (generic paths)."""
+    torch.manual_seed(seed)
+    config = transformers.GPTNeoXConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
 def strong_tiny(family: str, seed: int = 0, dtype=torch.float32):
@@ -52,9 +69,6 @@ def strong_tiny(family: str, seed: int = 0, dtype=torch.float32):
             if param.ndim == 2 and ".layers." in name:
                 param.mul_(8)
     return model
-
-
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt"]
 
 
 def build_tiny_tokenizer():

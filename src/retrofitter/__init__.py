@@ -4,7 +4,7 @@ Public API (lazy, so ``import retrofitter`` stays cheap):
 ``compress``, ``linearize``, ``evaluate``, ``load``, ``save``, ``CompressConfig``, ``LinearizeConfig``.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 _API_NAMES = {"compress", "linearize", "evaluate", "load", "save", "load_model"}
 _CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "EvalConfig"}

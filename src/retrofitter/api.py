@@ -14,7 +14,8 @@ from .eval.accounting import account
 from .eval.perplexity import perplexity
 from .eval.resources import peak_rss_mb, timed
 
-__all__ = ["load_model", "load", "save", "evaluate", "compress", "linearize", "write_json"]
+__all__ = ["load_model", "load", "save", "evaluate", "evaluation_blocks", "compress", "linearize", "write_json",
+           "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics", "finetune_lora"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -67,11 +68,14 @@ def evaluation_blocks(tokenizer, corpus: str, seq_len: int, max_tokens: int | No
 
 
 def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True,
-             blocks: dict[str, torch.Tensor] | None = None) -> dict:
-    """Perplexity on ``config.corpora`` plus accounting, as a results dict (design.md §5 fields).
+             blocks: dict[str, torch.Tensor] | None = None, *, name: str | None = None, method: str = "original",
+             ratio: float | None = None, baseline=None) -> dict:
+    """The results record of ``model`` (design.md §5): perplexity on ``config.corpora`` (none when empty)
+    plus accounting. This is the one place the record is built; callers add their own sections.
 
     ``blocks`` (optional): corpus -> token blocks already cut with this config, so that a caller
-    evaluating many models tokenizes each corpus once.
+    evaluating many models tokenizes each corpus once. ``baseline`` (the ``Accounting`` of the model
+    before conversion) adds ``params_before`` and the ``reduction`` of linear and total parameters.
     """
     timings: dict = {}
     ppl, details = {}, {}
@@ -86,21 +90,30 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
         ppl[corpus] = result.ppl
         details[corpus] = {"tokens": result.tokens, "blocks": result.blocks}
     accounting = account(model, context=config.context_for_macs)
-    return {
-        "model": getattr(model, "name_or_path", type(model).__name__),
-        "method": "original",
-        "ratio": None,
+    record = {
+        "model": name or getattr(model, "name_or_path", type(model).__name__),
+        "method": method,
+        "ratio": ratio,
         "ppl": ppl,
         "params": accounting.params_dict(),
+        "bytes": accounting.bytes_dict(),
         "macs_per_token": accounting.macs_per_token,
         "attention_macs_per_token": accounting.attention_macs_per_token,
         "kv_bytes_per_token": accounting.kv_bytes_per_token,
+        "state_bytes_per_sequence": accounting.state_bytes_per_sequence,
         "settings": {"seq_len": config.seq_len, "max_eval_tokens": config.max_eval_tokens,
                      "batch_size": config.batch_size, "dtype": accounting.dtype,
                      "eval_tokens": details, "threads": torch.get_num_threads()},
         "timings_s": timings,
         "peak_rss_mb": peak_rss_mb(),
     }
+    if accounting.notes:
+        record["accounting_notes"] = list(accounting.notes)
+    if baseline is not None:
+        record["params_before"] = baseline.params_dict()
+        record["reduction"] = {"linear": 1 - accounting.params_linear / baseline.params_linear,
+                               "total": 1 - accounting.params_total / baseline.params_total}
+    return record
 
 
 def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
@@ -113,6 +126,35 @@ def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor
     from .pipelines.compress import compress_model
 
     return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir)
+
+
+def teacher_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8, progress: bool = True) -> dict:
+    """Input second moments of every projection of the original model, one pass (layer -> name -> moments):
+    shared by several ``compress_from_statistics`` calls (methods × ratios) of the same model."""
+    from .pipelines.compress import collect_teacher_moments
+
+    return collect_teacher_moments(model, calibration, batch_size, progress)
+
+
+def compress_from_statistics(model: nn.Module, config: CompressConfig, statistics: dict, svd_cache: dict | None = None,
+                             plan: dict | None = None) -> tuple[nn.Module, dict]:
+    """A local method (svd / asvd-* / svd-llm) from ``teacher_statistics``, in place; returns ``(model, report)``.
+
+    The same ``svd_cache`` dict across calls makes another ratio cost only a truncation; ``plan``
+    ((layer, name) -> rank, e.g. from ``global_plan_from_statistics``) replaces the uniform ranks.
+    """
+    from .pipelines.compress import compress_with_moments
+
+    return compress_with_moments(model, config, statistics, svd_cache, plan)
+
+
+def global_plan_from_statistics(model: nn.Module, config: CompressConfig, statistics: dict, svd_cache: dict,
+                                calibration: torch.Tensor | None = None, importance: dict | None = None):
+    """Global rank plan (``config.allocation_weighting``) from the SVDs cached by ``compress_from_statistics``;
+    returns ``(plan, report)``, the fisher importance in ``report["importance"]`` for reuse at other ratios."""
+    from .pipelines.compress import teacher_global_plan
+
+    return teacher_global_plan(model, config, statistics, svd_cache, calibration, importance)
 
 
 def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | None = None,
@@ -129,6 +171,15 @@ def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | Non
 
     return linearize_model(model, config or LinearizeConfig(), transfer_blocks, lora_blocks, accelerator=accelerator,
                            progress=progress, work_dir=work_dir, on_stage=on_stage)
+
+
+def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress: bool = True):
+    """LoLCATs stage 2 alone on any model (e.g. the original, as the control of a linearization): LoRA on the
+    attention projections with next-token loss on ``blocks`` [N, seq_len], merged; returns ``(model, report)``."""
+    from .config import LinearizeConfig
+    from .pipelines.lora import lora_finetune
+
+    return lora_finetune(model, blocks, config or LinearizeConfig(), progress=progress)
 
 
 def write_json(data: dict, path) -> Path:

@@ -2,9 +2,10 @@
 
 A retrofitted model is an HF causal LM in which some leaf modules were replaced (``LatentLinear``,
 attention wrappers, ...). ``retrofitter.json`` records, per replaced module path, its registry type
-and its constructor spec; loading builds the base model from ``config.json``, puts an empty
-replacement of the recorded shape at each path, then loads the safetensors state dict strictly
-(tied weights excepted).
+(``adapters.replacements.replacement_types()``) and its constructor spec; loading builds the base
+model from ``config.json``, puts an empty replacement of the recorded shape at each path
+(``build(spec, original, model)``), then loads the safetensors state dict strictly (tied weights
+excepted).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-__all__ = ["ReplacementType", "replacement_types", "save_retrofitted", "load_retrofitted", "is_retrofitted_dir",
-           "OutputExistsError", "prepare_output_dir", "RETROFITTER_JSON"]
+from .adapters.replacements import replacement_types
+
+__all__ = ["save_retrofitted", "load_retrofitted", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir",
+           "RETROFITTER_JSON"]
 
 RETROFITTER_JSON = "retrofitter.json"
 FORMAT_VERSION = 1
@@ -30,22 +31,6 @@ FORMAT_VERSION = 1
 
 class OutputExistsError(FileExistsError):
     """An output path exists and overwriting was not requested."""
-
-
-@dataclass(frozen=True)
-class ReplacementType:
-    """How to describe (``spec``) and rebuild (``build(spec, module_at_path_in_fresh_model)``) a module."""
-
-    cls: type
-    spec: Callable[[nn.Module], dict]
-    build: Callable[[dict, nn.Module], nn.Module]
-
-
-def replacement_types() -> dict[str, ReplacementType]:
-    """Registry of replacement module types, keyed by class name (built on demand: no import side effects)."""
-    from .modules.registry import REPLACEMENT_TYPES
-
-    return REPLACEMENT_TYPES()
 
 
 def is_retrofitted_dir(path) -> bool:
@@ -105,7 +90,7 @@ def load_retrofitted(path, dtype: torch.dtype | None = None, device: str | torch
             raise ValueError(f"{path}: unknown replacement type {entry['type']!r} at {module_path}; "
                              f"known: {sorted(types)} (saved by a newer retrofitter?)")
         original = model.get_submodule(module_path)
-        model.set_submodule(module_path, types[entry["type"]].build(entry["spec"], original))
+        model.set_submodule(module_path, types[entry["type"]].build(entry["spec"], original, model))
     state = {}
     for file in sorted(path.glob("*.safetensors")):
         state.update(load_file(file))
@@ -137,6 +122,6 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
 def _versions() -> dict:
     import transformers
 
-    from . import __version__
+    from .version import __version__
 
     return {"retrofitter": __version__, "torch": torch.__version__, "transformers": transformers.__version__}

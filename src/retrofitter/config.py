@@ -22,6 +22,11 @@ COMPRESS_METHODS: dict[str, str] = {
 ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
 
 
+def _option(default, help: str, choices=None):
+    """A config field with the help text (and choices) of its command-line flag: defined once, here."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 class _JsonRoundTrip:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,28 +66,35 @@ class CompressConfig(_JsonRoundTrip):
       figures: on for ``latentllm`` (which needs it) and for global allocation, off for uniform local.
     """
 
-    ratio: float = 0.2
-    method: str = "asvd-rootcov"
-    junction: bool = True
-    statistics: str = "compressed"
-    damping: float = 1e-2
-    targets: tuple[str, ...] = ()
-    allocation: str | None = None
-    batch_size: int = 8
-    joint_qk: bool = True
-    joint_vo: bool = False
-    joint_mlp: bool = True
-    qk_iterations: int = 8  # joint QK alternating eigen-updates
-    vo_iterations: int = 8  # joint VO alternating eigen-updates
-    refit_within_layer: bool | None = None
-    # latentllm only (pipelines/latentllm.py, pipelines/allocation.py):
-    mlp_algorithm: str = "streaming"  # "streaming" (down refitted to the compressed intermediate) | "auxiliary"
-    mlp_iterations: int = 4  # auxiliary-variable iterations
-    mlp_aux_tokens: int = 8192  # token subsample of the auxiliary-variable MLP (it holds activations)
-    latent_attention: bool = True  # swap attention for LatentAttention (latent k/v cache) at the end
-    allocation_weighting: str = "fisher"  # global allocation: one of ALLOCATION_WEIGHTINGS (fisher measured best)
-    allocation_min_keep: float = 0.0  # global allocation: every matrix keeps at least this fraction of its params
-    allocation_gradient_blocks: int = 8  # "fisher" weighting: calibration blocks of the backward passes
+    ratio: float = _option(0.2, "fraction of the linear-layer parameters removed, in (0, 1)")
+    method: str = _option("asvd-rootcov", "compression method", choices=tuple(COMPRESS_METHODS))
+    junction: bool = _option(True, "block-identity factors, r(d+d')-r^2 parameters (--no-junction: plain B, A)")
+    statistics: str = _option("compressed", "calibrate layer l on the compressed (default) or the original "
+                              "model's activations", choices=("compressed", "teacher"))
+    damping: float = _option(1e-2, "lambda in C + lambda*mean(diag C)*I")
+    targets: tuple[str, ...] = _option((), "comma-separated projections to compress (default all)")
+    allocation: str | None = _option(None, "uniform: every matrix keeps 1-ratio of its parameters; global: one "
+                                     "budget by water-filling (default: global for latentllm, uniform otherwise)",
+                                     choices=("uniform", "global"))
+    batch_size: int = _option(8, "calibration batch size")
+    joint_qk: bool = _option(True, "latentllm: joint QK (Tucker) decomposition")
+    joint_vo: bool = _option(False, "latentllm: joint VO decomposition")
+    joint_mlp: bool = _option(True, "latentllm: down projection refitted to the compressed MLP intermediate")
+    qk_iterations: int = _option(8, "latentllm: joint QK alternating eigen-updates")
+    vo_iterations: int = _option(8, "latentllm: joint VO alternating eigen-updates")
+    refit_within_layer: bool | None = _option(None, "statistics of each projection group after the groups before "
+                                              "it in the layer were replaced (default: on for latentllm and "
+                                              "global allocation)")
+    mlp_algorithm: str = _option("streaming", "latentllm: joint MLP algorithm", choices=("streaming", "auxiliary"))
+    mlp_iterations: int = _option(4, "latentllm auxiliary MLP: iterations")
+    mlp_aux_tokens: int = _option(8192, "latentllm auxiliary MLP: token subsample (it holds activations)")
+    latent_attention: bool = _option(True, "latentllm: latent k/v cache (--no-latent-attention: HF attention over "
+                                     "factored projections)")
+    allocation_weighting: str = _option("fisher", "global allocation: how errors of different matrices compare "
+                                        "(fisher: priced by the loss gradient at each matrix's output)",
+                                        choices=ALLOCATION_WEIGHTINGS)
+    allocation_min_keep: float = _option(0.0, "global allocation: each matrix keeps at least this fraction")
+    allocation_gradient_blocks: int = _option(8, "fisher weighting: calibration blocks of the backward passes")
 
     def __post_init__(self):
         if not 0.0 < self.ratio < 1.0:
@@ -138,37 +150,36 @@ class LinearizeConfig(_JsonRoundTrip):
     ``keep_softmax_layers``: layer indices left as softmax attention.
     """
 
-    feature_map: str = "hedgehog"
-    feature_dim: int = 64
-    window: int = 64
-    window_kind: str = "terraced"
-    linear_weight: str = "one"
-    mix_init: float = -2.2
-    transfer_tokens: int = 200_000
-    lora_tokens: int = 100_000
-    seq_len: int = 512
-    batch_size: int = 1
-    transfer_lr: float = 1e-2
-    transfer_epochs: int = 1
-    transfer_mode: str = "joint"
-    lora_lr: float = 1e-4
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    grad_clip: float = 1.0
-    gradient_checkpointing: bool = True
-    keep_softmax_layers: tuple[int, ...] = ()
-    seed: int = 0
+    feature_map: str = _option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
+    feature_dim: int = _option(64, "feature-map projection width (hedgehog gives 2x features)")
+    window: int = _option(64, "softmax window: sliding width or terraced tile")
+    window_kind: str = _option("terraced", "softmax window kind (ops/hybrid_common.py WINDOW_KINDS)")
+    linear_weight: str = _option("one", "weight of the linear terms: one or one_minus_gamma")
+    mix_init: float = _option(-2.2, "initial theta of the mixing weight gamma = sigmoid(theta)")
+    transfer_tokens: int = _option(200_000, "stage 1 (attention transfer) training tokens; 0 skips it")
+    lora_tokens: int = _option(100_000, "stage 2 (LoRA) training tokens; 0 skips it")
+    seq_len: int = _option(512, "training block length")
+    batch_size: int = _option(1, "training batch size")
+    transfer_lr: float = _option(1e-2, "stage 1 learning rate")
+    transfer_epochs: int = _option(1, "stage 1 epochs")
+    transfer_mode: str = _option("joint", "stage 1: joint (teacher forward of the whole model per batch) or "
+                                 "blockwise (teacher inputs cached per layer, resumable)",
+                                 choices=("joint", "blockwise"))
+    lora_lr: float = _option(1e-4, "stage 2 learning rate")
+    lora_rank: int = _option(8, "stage 2 LoRA rank")
+    lora_alpha: int = _option(16, "stage 2 LoRA alpha")
+    lora_dropout: float = _option(0.0, "stage 2 LoRA dropout")
+    grad_clip: float = _option(1.0, "gradient-norm clip of both stages (0: none)")
+    gradient_checkpointing: bool = _option(True, "recompute each decoder layer in the LoRA backward (memory of "
+                                           "one layer's activations instead of all, ~30 %% more time)")
+    keep_softmax_layers: tuple[int, ...] = _option((), "comma-separated layer indices that keep softmax attention")
+    seed: int = _option(0, "random seed")
 
     def __post_init__(self):
-        from .modules.feature_maps import FEATURE_MAPS
-        from .ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
-
-        choices = {"feature_map": FEATURE_MAPS, "window_kind": WINDOW_KINDS, "linear_weight": LINEAR_WEIGHTS,
-                   "transfer_mode": ("joint", "blockwise")}
-        for name, options in choices.items():
-            if getattr(self, name) not in options:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {sorted(options)}")
+        # feature_map, window_kind and linear_weight name registries of modules/ and ops/: checked by
+        # pipelines.linearize.check_linearize_config (config sits below them and imports neither)
+        if self.transfer_mode not in ("joint", "blockwise"):
+            raise ValueError(f"unknown transfer_mode {self.transfer_mode!r}; choose one of ['blockwise', 'joint']")
         for name in ("feature_dim", "window", "seq_len", "batch_size", "lora_rank", "transfer_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .api import evaluate, load_model, save, write_json
+from .api import (compress, compress_from_statistics, evaluate, evaluation_blocks, global_plan_from_statistics,
+                  load_model, save, teacher_statistics, write_json)
 from .config import CompressConfig, EvalConfig
 from .eval.accounting import account
 from .eval.table import format_results_table
@@ -40,8 +41,6 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
     from .data.fetch import fetch
     from .eval.bench import bench_models, format_bench_table
     from .eval.report import write_report
-    from .pipelines.compress import (collect_teacher_moments, compress_model, compress_with_moments,
-                                     teacher_global_plan)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,21 +49,16 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
     original, tokenizer = load_model(model_name)
     eval_config = EvalConfig(corpora=tuple(corpora), seq_len=seq_len, max_eval_tokens=max_eval_tokens)
     _say(f"evaluating the original {model_name} on {', '.join(corpora)} ({max_eval_tokens} tokens each)")
-    from .api import evaluation_blocks
-
     blocks = {c: evaluation_blocks(tokenizer, c, seq_len, max_eval_tokens) for c in corpora}
-    results = [evaluate(original, tokenizer, eval_config, progress=progress, blocks=blocks)]
-    results[0]["model"] = model_name
+    results = [evaluate(original, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name)]
     write_json(results[0], out / "original.json")
     before = account(original)
     calibration = calibration_blocks(tokenizer, load_text("wiki-calib"), seq_len, calib_samples)
 
     def finish(model, method, ratio, seconds, statistics):
-        result = evaluate(model, tokenizer, eval_config, progress=progress, blocks=blocks)
-        result.update({"model": model_name, "method": method, "ratio": ratio})
+        result = evaluate(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
+                          method=method, ratio=ratio, baseline=before)
         result["timings_s"]["compress"] = seconds
-        result["reduction"] = {"linear": 1 - result["params"]["linear"] / before.params_linear,
-                               "total": 1 - result["params"]["total"] / before.params_total}
         result["settings"].update({"calib": "wiki-calib", "calib_samples": calib_samples, "calib_seq_len": seq_len,
                                    "statistics": statistics})
         write_json(result, out / f"{method}-{ratio:g}.json")
@@ -75,14 +69,14 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
     if ratios:
         _say(f"calibration statistics of the original model ({calib_samples}×{seq_len} tokens of wiki-calib)")
         t0 = time.perf_counter()
-        moments = collect_teacher_moments(original, calibration, progress=progress)
+        moments = teacher_statistics(original, calibration, progress=progress)
         statistics_seconds = time.perf_counter() - t0
         svd_cache: dict = {}  # each matrix's weighted SVD, truncated at every ratio
         for ratio in ratios:
             _say(f"asvd-rootcov at ratio {ratio}")
             model = copy.deepcopy(original)
             t0 = time.perf_counter()
-            compress_with_moments(model, CompressConfig(ratio=ratio, statistics="teacher"), moments, svd_cache)
+            compress_from_statistics(model, CompressConfig(ratio=ratio, statistics="teacher"), moments, svd_cache)
             finish(model, "asvd-rootcov", ratio, statistics_seconds + time.perf_counter() - t0, "teacher")
             if ratio == max(ratios):
                 most_compressed = (f"asvd-rootcov-{ratio:g}", model)
@@ -94,10 +88,10 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
             _say(f"asvd-rootcov with global fisher allocation at ratio {ratio}")
             config = CompressConfig(ratio=ratio, statistics="teacher", allocation="global", allocation_weighting="fisher")
             t0 = time.perf_counter()
-            plan, plan_report = teacher_global_plan(original, config, moments, svd_cache, calibration, importance)
+            plan, plan_report = global_plan_from_statistics(original, config, moments, svd_cache, calibration, importance)
             importance = plan_report["importance"]
             model = copy.deepcopy(original)
-            compress_with_moments(model, config, moments, svd_cache, plan=plan)
+            compress_from_statistics(model, config, moments, svd_cache, plan=plan)
             finish(model, "rootcov-global-fisher", ratio, statistics_seconds + time.perf_counter() - t0, "teacher")
             del model
         del moments, svd_cache
@@ -105,7 +99,7 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
         _say(f"latentllm at ratio {ratio} (sequential pipeline)")
         model = copy.deepcopy(original)
         t0 = time.perf_counter()
-        compress_model(model, CompressConfig(ratio=ratio, method="latentllm"), calibration, progress=progress)
+        compress(model, CompressConfig(ratio=ratio, method="latentllm"), calibration, progress=progress)
         finish(model, "latentllm", ratio, time.perf_counter() - t0, "compressed")
         del model
 

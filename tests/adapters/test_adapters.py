@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from retrofitter.adapters import UnsupportedArchitectureError, adapter_for, supported_architectures
+from tiny_models import FAMILIES, build_tiny
 
 
 def test_every_projection_is_a_linear_with_layout_shapes(tiny_model):
@@ -72,3 +73,35 @@ def test_unsupported_architecture_names_the_supported_ones():
     assert "Strange" in str(info.value)
     for name in supported_architectures():
         assert name in str(info.value)
+
+
+def test_the_tiny_model_table_has_one_row_per_supported_architecture():
+    built = sorted(type(build_tiny(family)).__name__ for family in FAMILIES)
+    assert built == supported_architectures()
+
+
+def test_family_facts_come_from_the_adapter_and_the_model(tiny_model):
+    adapter = adapter_for(tiny_model)
+    attention = adapter.attention(adapter.decoder_layers(tiny_model)[0])
+    output = getattr(attention, adapter.attention_output_name)
+    assert output is adapter.get_linear(adapter.decoder_layers(tiny_model)[0], "o")
+    rotary = adapter.rotary_embedding_class(tiny_model)
+    assert adapter.uses_rope == adapter.attention_layout(tiny_model).uses_rope == (rotary is not None)
+    if rotary is not None:
+        assert rotary is type(tiny_model.model.rotary_emb)
+    # has_bias describes the real projections (Qwen2: q/k/v biases whatever config.attention_bias says)
+    q = adapter.get_linear(adapter.decoder_layers(tiny_model)[0], "q")
+    assert adapter.attention_layout(tiny_model).has_bias == (q.bias is not None)
+
+
+def test_missing_capability_names_the_architectures_that_have_it():
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        adapter_for(build_tiny("opt"), capability="linearize")
+    assert "OPTForCausalLM" in str(info.value)
+    assert supported_architectures("linearize") == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                                     "Qwen3ForCausalLM"]
+    for name in supported_architectures("linearize"):
+        assert name in str(info.value)
+    assert supported_architectures("latent_attention") == supported_architectures()
+    with pytest.raises(ValueError, match="unknown capability"):
+        supported_architectures("teleport")

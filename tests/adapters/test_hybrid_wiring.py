@@ -3,9 +3,12 @@
 import pytest
 import torch
 
-from retrofitter.adapters.hybrid_attention import HybridSelfAttention, hybrid_attention_modules, swap_to_hybrid
-from retrofitter.adapters.hybrid_cache import HybridCache, HybridCacheLayer
+from retrofitter.adapters.hybrid_attention import (HybridCache, HybridSelfAttention, hybrid_attention_modules,
+                                                    swap_to_hybrid)
+from retrofitter.adapters.hybrid_cache import HybridCacheLayer
 from retrofitter.eval.accounting import account
+from retrofitter.eval.bench import cache_nbytes
+from retrofitter.ops.hybrid_common import WINDOW_KINDS, WindowKind
 from tiny_models import TINY_VOCAB, build_tiny
 
 F64 = torch.float64
@@ -136,3 +139,41 @@ def test_bad_requests_fail_clearly():
     model = hybrid_model("llama")
     with pytest.raises(ValueError, match="already hybrid"):
         swap_to_hybrid(model, SETTINGS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_bytes_are_the_bytes_of_the_cache_tensors(dtype):
+    """S, z stay float32 in a bf16 model: state_bytes and the accounting use the real dtypes."""
+    model = build_tiny("llama", dtype=dtype)
+    swap_to_hybrid(model, {**SETTINGS, "window_kind": "terraced"}, keep_softmax_layers=(0,))
+    acc = account(model)
+    layer = model.model.layers[1].self_attn
+    for batch, length in ((1, 7), (2, 13)):
+        cache = HybridCache(model)
+        with torch.no_grad():
+            model(input_ids=ids(batch, length), cache=cache, use_cache=True)
+        assert layer.state_bytes(batch_size=batch) == cache.layers[1].nbytes() == cache.state_nbytes()
+        if batch == 1:  # the whole cache: constant state + the kept softmax layer's keys/values
+            assert cache_nbytes(cache) == acc.state_bytes_per_sequence + length * acc.kv_bytes_per_token
+    assert cache.layers[1].state.kv_state.dtype == torch.float32
+    assert acc.state_bytes_per_sequence == layer.state_bytes(1)
+
+
+def test_state_counts_follow_the_window_kind_registry(monkeypatch):
+    """A new window kind (here: a sliding window kept in a ring of 2w) needs no change to the counts."""
+    sliding = WINDOW_KINDS["sliding"]
+    wide = WindowKind("wide_sliding", sliding.contains, buffer_factor=2,
+                      eviction_slots=lambda new_pos, window: torch.remainder(new_pos - window, 2 * window)[:, None])
+    monkeypatch.setitem(WINDOW_KINDS, "wide_sliding", wide)
+    model = hybrid_model("llama", "wide_sliding")
+    tokens = ids(1, 15)
+    cache = HybridCache(model)
+    with torch.no_grad():
+        full = model(input_ids=tokens, use_cache=False).logits
+        stepped = decode_logits(model, tokens, prefill=6, cache=cache)
+    assert torch.allclose(stepped, full, atol=1e-10, rtol=0)
+    layer = model.model.layers[0].self_attn
+    state = cache.layers[0].state
+    assert state.keys.shape[2] == 2 * SETTINGS["window"]
+    assert layer.state_numbers() == sum(t.numel() for t in (state.keys, state.values, state.kv_state, state.k_state))
+    assert layer.state_bytes() == state.nbytes()

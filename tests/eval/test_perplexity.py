@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from retrofitter.eval.perplexity import block_nll, block_nll_reference, perplexity
-from tiny_models import TINY_VOCAB, build_tiny
+from tiny_models import TINY_VOCAB, build_tiny, build_tiny_without_adapter
 
 
 def test_perplexity_matches_hand_computation():
@@ -60,3 +60,14 @@ def test_unsupported_architecture_falls_back_to_full_logits():
     blocks = torch.randint(3, TINY_VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(block_nll(Wrapper(inner), blocks), block_nll_reference(inner, blocks))
+
+
+def test_model_without_adapter_gets_its_perplexity_from_full_logits():
+    model = build_tiny_without_adapter()  # GPT-NeoX: no adapter
+    blocks = torch.randint(3, TINY_VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(blocks).logits.double(), dim=-1)
+    nll = -log_probs[:, :-1].gather(-1, blocks[:, 1:, None]).sum()
+    result = perplexity(model, blocks, batch_size=2, progress=False)
+    assert result.tokens == 30
+    assert result.ppl == pytest.approx(math.exp(float(nll) / 30), rel=1e-6)

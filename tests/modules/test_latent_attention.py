@@ -6,7 +6,8 @@ import torch
 from retrofitter.adapters import adapter_for
 from retrofitter.adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
 from retrofitter.checkpoint import load_retrofitted, save_retrofitted
-from retrofitter.modules.latent_attention import LatentAttention, LatentCacheLayer
+from retrofitter.adapters.latent_cache import LatentCacheLayer
+from retrofitter.modules.latent_attention import LatentAttention
 from retrofitter.modules.latent_linear import LatentLinear
 
 from tiny_models import strong_tiny as shared_strong_tiny

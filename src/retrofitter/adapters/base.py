@@ -10,7 +10,16 @@ are and how they are wired, so that pipelines can stay generic (design.md §1, g
   execution order — the order in which a sequential pipeline may compress them;
 * ``get_linear(layer, name)`` / ``set_linear(layer, name, module)``;
 * ``mlp_kind``: ``"gated"`` (down(act(gate x) ⊙ up x)) or ``"plain"`` (fc2(act(fc1 x)))
-  and ``mlp_activation(layer)``.
+  and ``mlp_activation(layer)``;
+* ``architectures``: the HF causal-LM class names the adapter serves (``adapters.registry`` indexes them);
+* ``rotary_path``: where the model keeps its rotary embedding (``rotary_embedding_class(model)``; the
+  empty path: no RoPE), ``attention_output_name``: the output projection's name inside the attention
+  module (derived from ``linear_paths["o"]``);
+* capability flags: ``linearizable`` (hybrid attention, ``adapters.hybrid_attention``) and
+  ``latent_attention`` (latent k/v cache, ``adapters.latent_attention``).
+
+Adding a model family = one adapter file (a ``ModelAdapter`` instance) + its entry in
+``adapters.registry.FAMILY_ADAPTERS`` + one row in the tiny-model test table (tests/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class ModelAdapter:
     """Wiring of one model family. Instances live in ``adapters.registry.ADAPTERS``."""
 
     family: str
+    architectures: tuple[str, ...]  # HF causal-LM class names wired like this
     decoder_path: str  # attribute path from the CausalLM to the decoder-layer ModuleList
     linear_paths: dict[str, str]  # logical name -> attribute path inside a decoder layer
     linear_groups: tuple[tuple[str, ...], ...]  # names grouped by shared input, in execution order
@@ -53,10 +63,36 @@ class ModelAdapter:
     mlp_path: str
     mlp_kind: str  # "gated" | "plain"
     activation_path: str  # attribute path (inside the layer) of the MLP activation callable
-    uses_rope: bool
     layout_fn: Callable[[object], AttentionLayout]
     final_norm_path: str  # norm applied after the last decoder layer (may resolve to None)
+    rotary_path: str  # attribute path from the CausalLM to its rotary embedding; "" = no RoPE
+    linearizable: bool  # attention can be swapped for HybridSelfAttention (RoPE, q/k/v/o_proj)
+    latent_attention: bool  # attention can be swapped for LatentAttention (latent k/v cache)
     final_projection_path: str = ""  # optional projection after the final norm (OPT's project_out)
+
+    # ---- family facts -----------------------------------------------------------------------
+    @property
+    def uses_rope(self) -> bool:
+        return bool(self.rotary_path)
+
+    @property
+    def attention_output_name(self) -> str:
+        """Attribute name of the output projection inside the attention module (``o_proj``, ``out_proj``)."""
+        prefix = f"{self.attention_path}."
+        path = self.linear_paths["o"]
+        if not path.startswith(prefix):
+            raise ValueError(f"{self.family}: output projection {path!r} is not inside the attention module")
+        return path[len(prefix):]
+
+    def rotary_embedding_class(self, model: nn.Module) -> type | None:
+        """Class of the model's own rotary embedding (built as ``cls(config=...)``), None without RoPE.
+
+        Read from the model, so one adapter serves classes whose rotary embeddings differ
+        (``LlamaRotaryEmbedding``, ``Qwen3RotaryEmbedding``, ...).
+        """
+        if not self.rotary_path:
+            return None
+        return type(_get_path(model, self.rotary_path))
 
     # ---- navigation -----------------------------------------------------------------------
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:

@@ -20,7 +20,12 @@ inputs, and hands ``(y_student, y_teacher)`` ``[b, h, n, dh]`` to the hook (desi
 Padding comes from the mask HF passes to attention layers: a 4-D ``[b, 1, q, kv]`` (bool or
 additive float) or a 2-D ``[b, kv]`` mask; a key is real iff the query at the same position may see
 it (the diagonal), which holds for HF's causal masks with and without a cache.
-OPT (learned positions, no RoPE) is not supported by this wrapper.
+Only families whose adapter is ``linearizable`` (RoPE attention with q/k/v/o_proj) are supported.
+
+Decode cache: ``HybridCache`` (below) is the model-level HF ``Cache`` of a linearized model; its hybrid
+layers are ``adapters.hybrid_cache.HybridCacheLayer`` (the constant-size state), its softmax layers
+ordinary ``DynamicLayer``. Sizes: ``state_bytes(batch)`` per layer (constant in the context),
+``cache_numbers_per_token() == 0``.
 """
 
 from __future__ import annotations
@@ -31,23 +36,24 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ..modules.hybrid_attention import HybridLinearAttention
-from .hybrid_cache import attach_hybrid_layer
+from .hybrid_cache import HybridCacheLayer, attach_hybrid_layer
 from .registry import adapter_for
 
 __all__ = [
+    "HybridCache",
     "HybridSelfAttention",
     "HybridSettings",
     "swap_to_hybrid",
     "hybrid_attention_modules",
     "key_padding_from_attention_mask",
+    "build_from_spec",
 ]
 
 # Settings a swap needs beyond the original module (same names as HybridLinearAttention's arguments).
 HybridSettings = dict
-
-_SUPPORTED_FAMILIES = ("llama",)
 
 
 def key_padding_from_attention_mask(attention_mask, query_length: int) -> torch.Tensor | None:
@@ -182,32 +188,32 @@ class HybridSelfAttention(nn.Module):
         return 0
 
     def state_numbers(self, batch_size: int = 1) -> int:
-        """Numbers in the constant decode state: window ring buffer (k, v) + S, z per query head."""
-        ring = self.hybrid.window * (2 if self.hybrid.window_kind == "terraced" else 1)
+        """Numbers in the constant decode state: ring buffer k, v ``2·b·g·s·dh`` + S, z ``b·h·F·(dh + 1)``
+        (s = ``hybrid.buffer_size``, from the window kind); bookkeeping tensors aside."""
+        ring = self.hybrid.buffer_size
         features = self.hybrid.feature_map_q.output_dim
         per_row = 2 * self.n_kv_heads * ring * self.head_dim + self.n_heads * features * (self.head_dim + 1)
         return batch_size * per_row
 
+    def state_bytes(self, batch_size: int = 1) -> int:
+        """Bytes of this layer's decode state for ``batch_size`` sequences, every tensor included, in the
+        dtypes it is really kept in: k, v in the projections' dtype, S, z in float32 (or float64) —
+        see ``HybridLinearAttention.state_bytes``."""
+        return self.hybrid.state_bytes(batch_size, next(self.k_proj.parameters()).dtype)
+
     def attention_macs_per_token(self, context: int) -> int:
         """q·k and p·v over the window plus phi_q^T S and the state update (context-independent)."""
-        ring = self.hybrid.window * (2 if self.hybrid.window_kind == "terraced" else 1)
+        ring = self.hybrid.buffer_size
         features = self.hybrid.feature_map_q.output_dim
         window = min(context, ring)
         return 2 * self.n_heads * self.head_dim * window + 2 * self.n_heads * features * (self.head_dim + 1)
 
     def spec(self) -> dict:
-        """Constructor settings for ``retrofitter.json`` (see ``modules.registry``)."""
+        """Constructor settings for ``retrofitter.json`` (see ``adapters.replacements``)."""
         return {"settings": dict(self.settings)}
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, mode={self.mode!r}"
-
-
-def _check_family(model: nn.Module) -> None:
-    adapter = adapter_for(model)
-    if adapter.family not in _SUPPORTED_FAMILIES:
-        raise ValueError(f"linearize supports the {', '.join(_SUPPORTED_FAMILIES)} family (RoPE attention); "
-                         f"{type(model).__name__} is family {adapter.family!r}")
 
 
 def swap_to_hybrid(model: nn.Module, settings: HybridSettings, keep_softmax_layers=()) -> list[int]:
@@ -215,8 +221,7 @@ def swap_to_hybrid(model: nn.Module, settings: HybridSettings, keep_softmax_laye
 
     The hybrid modules get the model's parameter dtype/device. Returns the replaced layer indices.
     """
-    _check_family(model)
-    adapter = adapter_for(model)
+    adapter = adapter_for(model, capability="linearize")
     layers = adapter.decoder_layers(model)
     keep = set(int(i) for i in keep_softmax_layers)
     bad = sorted(i for i in keep if not 0 <= i < len(layers))
@@ -251,3 +256,23 @@ def hybrid_attention_modules(model: nn.Module) -> dict[int, HybridSelfAttention]
 def build_from_spec(spec: dict, original: nn.Module) -> HybridSelfAttention:
     """Rebuild a saved wrapper around the fresh model's attention module (weights are loaded after)."""
     return HybridSelfAttention(original, spec["settings"])
+
+
+class HybridCache(Cache):
+    """Cache for a linearized model: ``HybridCacheLayer`` for hybrid layers, ``DynamicLayer`` otherwise.
+
+    Pass it to ``generate(..., cache=HybridCache(model))`` or ``model(..., cache=...)``.
+
+    Args:
+        model: the (partly) linearized causal LM; the hybrid layers are found from its modules.
+    """
+
+    def __init__(self, model: nn.Module):
+        num_layers = len(adapter_for(model).decoder_layers(model))
+        hybrid = set(hybrid_attention_modules(model))
+        layers = [HybridCacheLayer() if index in hybrid else DynamicLayer() for index in range(num_layers)]
+        super().__init__(layers=layers)
+
+    def state_nbytes(self) -> int:
+        """Bytes of all hybrid states (constant in the number of tokens seen)."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, HybridCacheLayer))

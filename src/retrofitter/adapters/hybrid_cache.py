@@ -1,4 +1,4 @@
-"""HF ``Cache`` support for hybrid (LoLCATs) attention layers: a constant-size decode state per layer.
+"""HF cache layer for hybrid (LoLCATs) attention: a constant-size decode state per layer.
 
 ``HybridCacheLayer`` holds one layer's ``HybridRecurrentState`` (window ring buffer + S, z; see
 ``retrofitter.ops.hybrid_recurrent``) instead of growing key/value tensors. Its size depends on the
@@ -6,22 +6,20 @@ batch, window and feature sizes only, never on the number of tokens seen. It als
 columns seen (``get_seq_length``, padding included) so that HF builds masks and positions exactly
 as with a ``DynamicCache``.
 
-``HybridCache`` is a ``Cache`` whose hybrid layers are ``HybridCacheLayer`` and whose remaining
-(softmax) layers are ordinary ``DynamicLayer``; pass it to ``generate(..., cache=HybridCache(model))``
-or ``model(..., cache=...)``. Plain ``generate()`` works too: HF creates a ``DynamicCache`` and
-each hybrid attention module adopts its (still empty) layer slot on first use
+This file knows nothing of the attention module; ``adapters.hybrid_attention`` imports it (one way)
+and defines the model-level ``HybridCache``. Plain ``generate()`` works too: HF creates a
+``DynamicCache`` and each hybrid attention module adopts its (still empty) layer slot on first use
 (``attach_hybrid_layer``).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..ops.hybrid_recurrent import HybridRecurrentState
 
-__all__ = ["HybridCacheLayer", "HybridCache", "attach_hybrid_layer"]
+__all__ = ["HybridCacheLayer", "attach_hybrid_layer"]
 
 
 class HybridCacheLayer(CacheLayerMixin):
@@ -121,23 +119,3 @@ def attach_hybrid_layer(cache: Cache, layer_idx: int) -> HybridCacheLayer:
     layers[layer_idx] = HybridCacheLayer()
     return layers[layer_idx]
 
-
-class HybridCache(Cache):
-    """Cache for a linearized model: ``HybridCacheLayer`` for hybrid layers, ``DynamicLayer`` otherwise.
-
-    Args:
-        model: the (partly) linearized causal LM; the hybrid layers are found from its modules.
-    """
-
-    def __init__(self, model: nn.Module):
-        from .hybrid_attention import hybrid_attention_modules
-        from .registry import adapter_for
-
-        num_layers = len(adapter_for(model).decoder_layers(model))
-        hybrid = set(hybrid_attention_modules(model))
-        layers = [HybridCacheLayer() if index in hybrid else DynamicLayer() for index in range(num_layers)]
-        super().__init__(layers=layers)
-
-    def state_nbytes(self) -> int:
-        """Bytes of all hybrid states (constant in the number of tokens seen)."""
-        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, HybridCacheLayer))

@@ -1,6 +1,10 @@
-"""HF wiring of ``LatentAttention`` (modules/latent_attention.py): which rotary embedding and which
-output-projection name each attention class has, conversion of a compressed model, and the
-rebuild used by the checkpoint loader.
+"""HF wiring of ``LatentAttention`` (modules/latent_attention.py): conversion of a compressed model and
+the rebuild used by the checkpoint loader.
+
+Everything family-specific comes from the model's adapter (adapters/base.py): whether the family is
+``latent_attention`` capable, its rotary-embedding class (``rotary_embedding_class(model)``: RoPE
+execution, or None: absorbed execution) and the output projection's name
+(``attention_output_name``). The cache slots are ``adapters.latent_cache.LatentCacheLayer``.
 
 Conversion keeps the projection modules as they are (``LatentLinear`` after compression, or dense
 ``nn.Linear``) and only swaps the attention module, so the dense-product model (HF attention over
@@ -10,52 +14,19 @@ r_k + r_v numbers per token and layer instead of 2·n_kv·d_h.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
 from ..modules.latent_attention import LatentAttention
 from ..modules.latent_linear import LatentLinear
+from .latent_cache import latent_cache_layer
 from .registry import adapter_for
 
-__all__ = ["LATENT_ATTENTION_FAMILIES", "latent_attention_from", "to_latent_attention", "latent_attention_spec",
-           "rebuild_latent_attention", "latent_cache_numbers_per_token"]
+__all__ = ["latent_attention_from", "to_latent_attention", "latent_attention_spec", "rebuild_latent_attention",
+           "latent_cache_numbers_per_token"]
 
-
-@dataclass(frozen=True)
-class _AttentionFamily:
-    """rotary: the class to build RoPE cos/sin from the config (None: no RoPE, absorbed execution);
-    output_name: attribute of the output projection inside the attention module."""
-
-    rotary: Callable[[], type] | None
-    output_name: str
-
-
-def _rotary(module_name: str, class_name: str) -> Callable[[], type]:
-    def load():
-        import importlib
-
-        return getattr(importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}"), class_name)
-
-    return load
-
-
-# HF attention class name -> family wiring (explicit registry, design.md guideline 3).
-LATENT_ATTENTION_FAMILIES: dict[str, _AttentionFamily] = {
-    "LlamaAttention": _AttentionFamily(_rotary("llama", "LlamaRotaryEmbedding"), "o_proj"),
-    "MistralAttention": _AttentionFamily(_rotary("mistral", "MistralRotaryEmbedding"), "o_proj"),
-    "Qwen2Attention": _AttentionFamily(_rotary("qwen2", "Qwen2RotaryEmbedding"), "o_proj"),
-    "Qwen3Attention": _AttentionFamily(_rotary("qwen3", "Qwen3RotaryEmbedding"), "o_proj"),
-    "OPTAttention": _AttentionFamily(None, "out_proj"),
-}
-
-
-def _family(attention: nn.Module) -> _AttentionFamily:
-    name = type(attention).__name__
-    if name not in LATENT_ATTENTION_FAMILIES:
-        raise ValueError(f"no latent-attention wiring for {name}; supported: {sorted(LATENT_ATTENTION_FAMILIES)}")
-    return LATENT_ATTENTION_FAMILIES[name]
+CAPABILITY = "latent_attention"
 
 
 def _attention_resolver(config) -> Callable[[], Callable]:
@@ -70,34 +41,36 @@ def _attention_resolver(config) -> Callable[[], Callable]:
     return resolve
 
 
-def latent_attention_from(attention: nn.Module) -> LatentAttention:
-    """Wrap an HF attention module (projections possibly LatentLinear) as a LatentAttention."""
-    family = _family(attention)
+def latent_attention_from(attention: nn.Module, model: nn.Module) -> LatentAttention:
+    """Wrap ``attention`` (an HF attention module of ``model``; projections possibly LatentLinear)."""
+    adapter = adapter_for(model, capability=CAPABILITY)
+    output_name = adapter.attention_output_name
     config = attention.config
     n_heads = config.num_attention_heads
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    rotary = family.rotary()(config=config) if family.rotary is not None else None
+    rotary_class = adapter.rotary_embedding_class(model)
+    rotary = rotary_class(config=config) if rotary_class is not None else None
     if rotary is not None:
         reference = attention.q_proj.up if isinstance(attention.q_proj, LatentLinear) else attention.q_proj.weight
         rotary = rotary.to(reference.device)
     module = LatentAttention(
-        attention.q_proj, attention.k_proj, attention.v_proj, getattr(attention, family.output_name),
+        attention.q_proj, attention.k_proj, attention.v_proj, getattr(attention, output_name),
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=attention.head_dim, layer_idx=attention.layer_idx,
         scaling=attention.scaling, attention_resolver=_attention_resolver(config), rotary=rotary,
         q_norm=getattr(attention, "q_norm", None), k_norm=getattr(attention, "k_norm", None),
-        output_name=family.output_name)
+        output_name=output_name, cache_layer=latent_cache_layer)
     module.source_class = type(attention).__name__
     return module
 
 
 def to_latent_attention(model: nn.Module) -> nn.Module:
     """Replace every decoder layer's attention by a LatentAttention (in place); returns ``model``."""
-    adapter = adapter_for(model)
+    adapter = adapter_for(model, capability=CAPABILITY)
     for layer in adapter.decoder_layers(model):
         attention = adapter.attention(layer)
         if isinstance(attention, LatentAttention):
             continue
-        _set_child(layer, adapter.attention_path, latent_attention_from(attention))
+        _set_child(layer, adapter.attention_path, latent_attention_from(attention, model))
     return model
 
 
@@ -120,14 +93,14 @@ def latent_attention_spec(module: LatentAttention) -> dict:
     return {"projections": {name: _projection_spec(getattr(module, name)) for name in names}}
 
 
-def rebuild_latent_attention(spec: dict, original: nn.Module) -> LatentAttention:
-    """Empty LatentAttention of the recorded shapes around ``original`` (the fresh HF attention)."""
+def rebuild_latent_attention(spec: dict, original: nn.Module, model: nn.Module) -> LatentAttention:
+    """Empty LatentAttention of the recorded shapes around ``original`` (the fresh HF attention of ``model``)."""
     for name, entry in spec["projections"].items():
         if entry["type"] == "LatentLinear":
             fields = {k: v for k, v in entry.items() if k != "type"}
             reference = getattr(original, name).weight
             setattr(original, name, LatentLinear(**fields, dtype=reference.dtype, device=reference.device))
-    return latent_attention_from(original)
+    return latent_attention_from(original, model)
 
 
 def _set_child(root: nn.Module, path: str, module: nn.Module) -> None:

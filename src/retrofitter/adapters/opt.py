@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .base import AttentionLayout, ModelAdapter
 
-__all__ = ["OPT_ADAPTER", "OPT_CLASSES"]
+__all__ = ["OPT_ADAPTER"]
 
 
 def _opt_layout(config) -> AttentionLayout:
@@ -20,6 +20,7 @@ def _opt_layout(config) -> AttentionLayout:
 
 OPT_ADAPTER = ModelAdapter(
     family="opt",
+    architectures=("OPTForCausalLM",),
     decoder_path="model.decoder.layers",
     linear_paths={
         "q": "self_attn.q_proj",
@@ -34,10 +35,10 @@ OPT_ADAPTER = ModelAdapter(
     mlp_path="",  # OPT has no MLP submodule: fc1/fc2 sit on the layer itself
     mlp_kind="plain",
     activation_path="activation_fn",
-    uses_rope=False,
     layout_fn=_opt_layout,
     final_norm_path="model.decoder.final_layer_norm",
+    rotary_path="",  # learned positions
+    linearizable=False,  # HybridSelfAttention needs RoPE attention
+    latent_attention=True,  # absorbed (MLA-style) execution
     final_projection_path="model.decoder.project_out",
 )
-
-OPT_CLASSES = ("OPTForCausalLM",)

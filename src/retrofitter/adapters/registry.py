@@ -1,34 +1,62 @@
-"""Explicit registry: HF causal-LM class name -> adapter."""
+"""Explicit registry: HF causal-LM class name -> adapter.
+
+``FAMILY_ADAPTERS`` lists one ``ModelAdapter`` per family; each names the HF classes it serves in
+``architectures``, and ``ADAPTERS`` indexes them by class name. Capability questions ("which
+architectures can be linearized?") are answered from the adapters' flags.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
 from .base import ModelAdapter
-from .llama import LLAMA_FAMILY_ADAPTER, LLAMA_FAMILY_CLASSES
-from .opt import OPT_ADAPTER, OPT_CLASSES
+from .llama import LLAMA_ADAPTER
+from .opt import OPT_ADAPTER
+from .qwen2 import QWEN2_ADAPTER
 
-__all__ = ["ADAPTERS", "adapter_for", "UnsupportedArchitectureError", "supported_architectures"]
+__all__ = ["ADAPTERS", "FAMILY_ADAPTERS", "CAPABILITIES", "adapter_for", "UnsupportedArchitectureError",
+           "supported_architectures"]
 
-ADAPTERS: dict[str, ModelAdapter] = {
-    **{name: LLAMA_FAMILY_ADAPTER for name in LLAMA_FAMILY_CLASSES},
-    **{name: OPT_ADAPTER for name in OPT_CLASSES},
+FAMILY_ADAPTERS: tuple[ModelAdapter, ...] = (LLAMA_ADAPTER, QWEN2_ADAPTER, OPT_ADAPTER)
+
+ADAPTERS: dict[str, ModelAdapter] = {name: adapter for adapter in FAMILY_ADAPTERS for name in adapter.architectures}
+
+# Capability name -> the ModelAdapter flag that grants it (for supported_architectures(capability)).
+CAPABILITIES: dict[str, str] = {
+    "linearize": "linearizable",
+    "latent_attention": "latent_attention",
 }
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The model's class has no adapter."""
+    """The model's class has no adapter, or its adapter lacks the capability asked for."""
 
 
-def supported_architectures() -> list[str]:
-    return sorted(ADAPTERS)
+def supported_architectures(capability: str | None = None) -> list[str]:
+    """Sorted HF class names with an adapter (and, given ``capability`` in ``CAPABILITIES``, that flag)."""
+    if capability is None:
+        return sorted(ADAPTERS)
+    if capability not in CAPABILITIES:
+        raise ValueError(f"unknown capability {capability!r}; choose one of {sorted(CAPABILITIES)}")
+    flag = CAPABILITIES[capability]
+    return sorted(name for name, adapter in ADAPTERS.items() if getattr(adapter, flag))
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
-    """The adapter for ``model`` (an HF causal LM, possibly already retrofitted)."""
+def adapter_for(model: nn.Module, capability: str | None = None) -> ModelAdapter:
+    """The adapter for ``model`` (an HF causal LM, possibly already retrofitted).
+
+    With ``capability`` (a key of ``CAPABILITIES``), also require that the adapter supports it.
+    Errors name the supported architectures.
+    """
     name = type(model).__name__
     if name not in ADAPTERS:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {name!r}; supported: {', '.join(supported_architectures())}"
         )
-    return ADAPTERS[name]
+    adapter = ADAPTERS[name]
+    if capability is not None and name not in supported_architectures(capability):
+        raise UnsupportedArchitectureError(
+            f"{capability} is not supported for {name} (family {adapter.family!r}); "
+            f"supported architectures: {', '.join(supported_architectures(capability))}"
+        )
+    return adapter

@@ -36,6 +36,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .accounting import account
 from .resources import sampled_rss
 
 __all__ = ["bench_models", "bench_notes", "bench_rows", "cache_nbytes", "format_bench_table", "format_bytes",
@@ -228,13 +229,8 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
 
 
 def _accounting(model: nn.Module) -> dict:
-    from ..adapters.registry import UnsupportedArchitectureError
-    from .accounting import account
-
-    try:
-        accounting = account(model)
-    except UnsupportedArchitectureError:  # benching still works; only the predicted figures are missing
-        return {"params": {"total": sum(p.numel() for p in model.parameters())}, "kv_bytes_per_token": None}
+    """Predicted figures (any causal LM; ``kv_bytes_per_token`` is None where the config cannot tell)."""
+    accounting = account(model)
     return {"params": accounting.params_dict(), "kv_bytes_per_token": accounting.kv_bytes_per_token,
             "dtype": accounting.dtype}
 

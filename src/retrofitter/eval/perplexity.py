@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..adapters import UnsupportedArchitectureError, adapter_for
+
 __all__ = ["PerplexityResult", "perplexity", "block_nll", "block_nll_reference"]
 
 
@@ -45,11 +47,9 @@ def block_nll(model: nn.Module, blocks: torch.Tensor, chunk_tokens: int = 256) -
     For supported architectures the LM head runs on ``chunk_tokens`` positions at a time,
     Σ_c Σ_{t∈c} −log softmax(H_t W_headᵀ)[u_{t+1}] with H = ``adapter.head_inputs``, so at most
     [b, chunk_tokens, vocab] logits exist (the full [4, 2048, 49152] logits of SmolLM2 plus their
-    float32 log-softmax are ~3 GB, more than the model). Other models use ``block_nll_reference``.
+    float32 log-softmax are ~3 GB, more than the model). Models of any other architecture use
+    ``block_nll_reference`` (the same figure from their full logits).
     """
-    from ..adapters import adapter_for
-    from ..adapters.registry import UnsupportedArchitectureError
-
     try:
         adapter = adapter_for(model)
     except UnsupportedArchitectureError:

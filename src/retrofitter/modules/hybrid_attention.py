@@ -41,7 +41,7 @@ class HybridLinearAttention(nn.Module):
     Args:
         n_heads, n_kv_heads, head_dim: attention geometry (GQA when n_kv_heads < n_heads).
         window: sliding width or terraced tile size.
-        window_kind: ``"sliding"`` or ``"terraced"``.
+        window_kind: a name in ``ops.hybrid_common.WINDOW_KINDS`` (``"sliding"``, ``"terraced"``).
         feature_map: name in ``feature_maps.FEATURE_MAPS`` (``hedgehog``, ``t2r``, ``elu``).
         feature_dim: projection width of the feature map (hedgehog gives 2x features).
         mix_init: initial theta; gamma = sigmoid(-2.2) ~ 0.1.
@@ -94,6 +94,21 @@ class HybridLinearAttention(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: both feature maps and theta."""
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.mix_logit]
+
+    @property
+    def buffer_size(self) -> int:
+        """Window ring-buffer length ``s`` of the decode state (``WINDOW_KINDS[window_kind].buffer_size``)."""
+        return get_window_kind(self.window_kind).buffer_size(self.window)
+
+    def state_bytes(self, batch_size: int, dtype: torch.dtype) -> int:
+        """Bytes of the decode state of ``batch_size`` rows whose k, v come in ``dtype``.
+
+        Exactly the tensors ``init_state`` / the executions build (built on the meta device, so
+        nothing is allocated): ring buffer k, v ``[b, g, s, dh]`` in ``dtype``; slot positions
+        ``[b, s]`` int64 and validity ``[b, s]`` bool; S ``[b, h, F, dh]`` and z ``[b, h, F]`` in
+        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16); ``num_tokens`` ``[b]`` int64.
+        """
+        return self.init_state(batch_size, dtype, device="meta").nbytes()
 
     def init_state(
         self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None

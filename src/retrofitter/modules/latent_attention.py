@@ -18,11 +18,14 @@ and attention decompresses per head. Two executions, chosen by the model family:
 
 A dense ``nn.Linear`` projection is allowed too: its latent is x itself (r = d) and B = W.
 
-Cache: ``LatentCacheLayer`` (a ``DynamicLayer``) keeps keys = z_k [b, 1, N, r_k], values = z_v
-[b, 1, N, r_v] and, for RoPE models, the position id of every cached token [b, N] (the rotation of a
-cached key is recomputed from it at each step). ``latent_cache_layer`` swaps it into any
-``DynamicCache`` (the one ``generate()`` builds) at first use of a layer, so no special cache class
-is needed; ``get_seq_length`` and the causal masks keep working because keys.shape[-2] = N.
+Cache. Per token and layer the module hands its cache slot z_k [r_k], z_v [r_v] (the model's dtype)
+and, for RoPE models only, the token's position id as ``position_dtype`` (int32: the rotation of a
+cached key is recomputed from it at each step, and with left padding or explicit ``position_ids`` it
+is not the token's index). So the cache grows by ``cache_bytes_per_token()`` =
+(r_k + r_v)·dtype bytes (+ 4 with RoPE) per token. The HF cache classes live in adapters/
+(``adapters.latent_cache``); the adapter passes ``cache_layer(cache, layer_idx) -> slot`` whose slot has
+``update_latent(z_k [b, n, r_k], z_v [b, n, r_v], positions [b, n] | None)`` returning everything cached
+so far (z_k [b, N, r_k], z_v [b, N, r_v], positions [b, N] | None).
 """
 
 from __future__ import annotations
@@ -32,11 +35,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicLayer
 
 from .latent_linear import LatentLinear
 
-__all__ = ["LatentAttention", "LatentCacheLayer", "latent_cache_layer", "rotate_half_rope"]
+__all__ = ["LatentAttention", "rotate_half_rope"]
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,71 +65,6 @@ def _latent_width(projection: nn.Module) -> int:
     return projection.rank if isinstance(projection, LatentLinear) else projection.in_features
 
 
-class LatentCacheLayer(DynamicLayer):
-    """DynamicLayer holding keys = z_k [b, 1, N, r_k], values = z_v [b, 1, N, r_v], positions [b, N]."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.positions = None
-
-    def update_latent(self, key_latent, value_latent, positions):
-        """Append z_k [b, n, r_k], z_v [b, n, r_v], positions [b, n] (or None); return all cached."""
-        keys, values = self.update(key_latent.unsqueeze(1), value_latent.unsqueeze(1))
-        if positions is not None:
-            positions = positions.expand(key_latent.shape[0], -1)
-            self.positions = positions if self.positions is None else torch.cat([self.positions, positions], -1)
-        return keys[:, 0], values[:, 0], self.positions
-
-    def reset(self) -> None:
-        super().reset()
-        self.positions = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if tokens_to_remove < 0 and self.positions is not None:
-            self.positions = self.positions[:, :tokens_to_remove]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.positions is not None:
-            self.positions = self.positions[indices]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
-
-
-def latent_cache_layer(cache, layer_index: int):
-    """The LatentCacheLayer of ``layer_index`` in ``cache`` (a DynamicCache), installed at first use.
-
-    Raises ``ValueError`` for caches that already hold dense keys for that layer or that are not
-    dynamic (static caches preallocate dense [b, g, N, dh] tensors).
-    """
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ValueError(f"LatentAttention needs a transformers Cache with .layers, got {type(cache).__name__}")
-    replicate = getattr(cache, "layer_class_to_replicate", None)
-    while replicate is not None and len(layers) <= layer_index:
-        layers.append(replicate())
-    if layer_index >= len(layers):
-        raise ValueError(f"cache has {len(layers)} layers, LatentAttention layer {layer_index} has none")
-    layer = layers[layer_index]
-    if not isinstance(layer, LatentCacheLayer):
-        if not isinstance(layer, DynamicLayer) or getattr(layer, "is_initialized", False):
-            raise ValueError(
-                f"layer {layer_index}: cache layer {type(layer).__name__} cannot hold latents (use a fresh "
-                "DynamicCache, the default of generate())")
-        layer = LatentCacheLayer()
-        layers[layer_index] = layer
-    return layer
-
-
 class _HeadsView:
     """The attributes HF attention kernels read from the module they are given."""
 
@@ -148,12 +85,17 @@ class LatentAttention(nn.Module):
             returning (out [b, n, heads, dv], weights); resolved per call by ``attention_resolver``.
         rotary: module with forward(x, position_ids) -> (cos, sin) for RoPE models (None: absorbed path).
         q_norm, k_norm: per-head norms applied before RoPE (Qwen3), or None.
+        cache_layer: ``cache_layer(cache, layer_idx) -> slot`` with ``slot.update_latent`` (module
+            docstring); None: the module runs without a cache only.
     """
+
+    position_dtype = torch.int32  # cached position ids (RoPE models); exact up to 2**31 tokens
 
     def __init__(self, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module, *,
                  n_heads: int, n_kv_heads: int, head_dim: int, layer_idx: int, scaling: float,
                  attention_resolver: Callable[[], Callable], rotary: nn.Module | None = None,
-                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, output_name: str = "o_proj"):
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, output_name: str = "o_proj",
+                 cache_layer: Callable[[object, int], object] | None = None):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
@@ -169,6 +111,7 @@ class LatentAttention(nn.Module):
         self.layer_idx, self.scaling = layer_idx, float(scaling)
         self.rotary, self.q_norm, self.k_norm = rotary, q_norm, k_norm
         self._attention_resolver = attention_resolver
+        self._cache_layer = cache_layer
         self.absorbed = rotary is None and q_norm is None and k_norm is None
 
     @property
@@ -176,14 +119,27 @@ class LatentAttention(nn.Module):
         return getattr(self, self.output_name)
 
     def cache_numbers_per_token(self) -> int:
-        """Cached numbers per token in this layer: r_k + r_v."""
+        """Cached latent numbers per token in this layer: r_k + r_v (position ids aside)."""
         return _latent_width(self.k_proj) + _latent_width(self.v_proj)
 
+    def cache_bytes_per_token(self) -> int:
+        """Bytes the cache grows by per token in this layer: (r_k + r_v)·dtype bytes of the latents
+        (the projections' dtype) + the position id (``position_dtype``) for RoPE models."""
+        latent_bytes = _decompression(self.k_proj)[0].element_size()
+        position_bytes = 0 if self.rotary is None else torch.empty((), dtype=self.position_dtype).element_size()
+        return self.cache_numbers_per_token() * latent_bytes + position_bytes
+
     def _cached_latents(self, x: torch.Tensor, cache, positions: torch.Tensor | None):
+        """(z_k [b, N, r_k], z_v [b, N, r_v], positions [b, N] | None): this call's tokens, after the
+        cached ones when ``cache`` is given (positions are cached only when given, i.e. for RoPE)."""
         z_k, z_v = _latent(self.k_proj, x), _latent(self.v_proj, x)  # [b, n, r_k], [b, n, r_v]
         if cache is None:
             return z_k, z_v, positions
-        return latent_cache_layer(cache, self.layer_idx).update_latent(z_k, z_v, positions)
+        if self._cache_layer is None:
+            raise ValueError("this LatentAttention was built without a cache_layer; run it with use_cache=False")
+        if positions is not None:
+            positions = positions.to(self.position_dtype)
+        return self._cache_layer(cache, self.layer_idx).update_latent(z_k, z_v, positions)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 **kwargs):
@@ -203,7 +159,7 @@ class LatentAttention(nn.Module):
         if positions is None and cache is not None and self.rotary is not None:
             past = cache.get_seq_length(self.layer_idx) if hasattr(cache, "get_seq_length") else 0
             positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
-        z_k, z_v, cached_positions = self._cached_latents(x, cache, positions)
+        z_k, z_v, cached_positions = self._cached_latents(x, cache, positions if self.rotary is not None else None)
         B_k, b_k = _decompression(self.k_proj)
         B_v, b_v = _decompression(self.v_proj)
         total = z_k.shape[1]

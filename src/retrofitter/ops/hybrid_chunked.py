@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .hybrid_common import (
-    FeatureMap,
+    FeatureMapFn,
     check_hybrid_inputs,
     compaction_order,
     compute_dtype_for,
@@ -58,8 +58,8 @@ def hybrid_attention_chunked(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    feature_map_q: FeatureMap,
-    feature_map_k: FeatureMap,
+    feature_map_q: FeatureMapFn,
+    feature_map_k: FeatureMapFn,
     gamma: torch.Tensor,
     window: int,
     window_kind: str = "sliding",

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 __all__ = [
+    "FeatureMapFn",
     "WindowKind",
     "WINDOW_KINDS",
     "LINEAR_WEIGHTS",
@@ -44,7 +45,9 @@ __all__ = [
     "check_hybrid_inputs",
 ]
 
-FeatureMap = Callable[[torch.Tensor], torch.Tensor]
+# What the executions call as phi_q / phi_k: x [b, h, n, dh] -> [b, h, n, F] (any callable; the
+# learned maps are ``modules.feature_maps.FeatureMap`` instances).
+FeatureMapFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _sliding_contains(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -90,6 +93,7 @@ class WindowKind:
     eviction_slots: Callable[[torch.Tensor, int], torch.Tensor]
 
     def buffer_size(self, window: int) -> int:
+        """Ring-buffer length ``s = buffer_factor * window``: keys (and values) the decode state keeps."""
         return self.buffer_factor * window
 
 

@@ -22,7 +22,7 @@ import math
 import torch
 
 from .hybrid_common import (
-    FeatureMap,
+    FeatureMapFn,
     check_hybrid_inputs,
     compute_dtype_for,
     get_linear_weight,
@@ -39,8 +39,8 @@ def hybrid_attention_naive(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    feature_map_q: FeatureMap,
-    feature_map_k: FeatureMap,
+    feature_map_q: FeatureMapFn,
+    feature_map_k: FeatureMapFn,
     gamma: torch.Tensor,
     window: int,
     window_kind: str = "sliding",

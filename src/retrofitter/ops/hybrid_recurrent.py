@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .hybrid_common import (
-    FeatureMap,
+    FeatureMapFn,
     compaction_order,
     compute_dtype_for,
     get_linear_weight,
@@ -102,7 +102,7 @@ def prefill_state(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     *,
-    feature_map_k: FeatureMap,
+    feature_map_k: FeatureMapFn,
     n_heads: int,
     window: int,
     window_kind: str = "sliding",
@@ -164,8 +164,8 @@ def hybrid_recurrent_step(
     v_t: torch.Tensor,
     valid_t: torch.Tensor | None = None,
     *,
-    feature_map_q: FeatureMap,
-    feature_map_k: FeatureMap,
+    feature_map_q: FeatureMapFn,
+    feature_map_k: FeatureMapFn,
     gamma: torch.Tensor,
     linear_weight: str = "one",
     softmax_scale: float | None = None,

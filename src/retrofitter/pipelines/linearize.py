@@ -33,11 +33,13 @@ from tqdm.auto import tqdm
 
 from ..adapters.hybrid_attention import HybridSelfAttention, hybrid_attention_modules, swap_to_hybrid
 from ..config import LinearizeConfig
+from ..modules.feature_maps import FEATURE_MAPS
+from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 from .lora import lora_finetune
 from .resume import RunDirectory, fingerprint
 from .training import make_accelerator
 
-__all__ = ["TRANSFER_LOSS_SCALE", "TransferRecorder", "swap_attention", "transfer_mse", "attention_transfer",
+__all__ = ["check_linearize_config", "TRANSFER_LOSS_SCALE", "TransferRecorder", "swap_attention", "transfer_mse", "attention_transfer",
            "linearize_model"]
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,14 @@ class _TransferMode:
     def __exit__(self, *exc):
         for module in self.modules:
             module.transfer_hook = None
+
+
+def check_linearize_config(config: LinearizeConfig) -> None:
+    """The names in ``config`` exist in the registries of feature maps, window kinds and linear weights."""
+    choices = {"feature_map": FEATURE_MAPS, "window_kind": WINDOW_KINDS, "linear_weight": LINEAR_WEIGHTS}
+    for name, options in choices.items():
+        if getattr(config, name) not in options:
+            raise ValueError(f"unknown {name} {getattr(config, name)!r}; choose one of {sorted(options)}")
 
 
 def swap_attention(model: nn.Module, config: LinearizeConfig) -> list[int]:
@@ -302,6 +312,7 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
                     on_stage=None) -> tuple[nn.Module, dict]:
     """Swap + stage 1 + stage 2 in place. ``on_stage(name, model)`` is called after each stage
     (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. Returns ``(model, report)``."""
+    check_linearize_config(config)
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}

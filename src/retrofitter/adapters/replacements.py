@@ -1,0 +1,57 @@
+"""Registry of replacement modules that can be saved and rebuilt (used by ``retrofitter.checkpoint``).
+
+A retrofitted model has some modules replaced (``LatentLinear`` projections, ``LatentAttention`` or
+``HybridSelfAttention`` attention). For each such class, ``ReplacementType`` says how to describe an
+instance (``spec(module) -> dict``, written to ``retrofitter.json``) and how to rebuild an empty one of
+the same shapes (``build(spec, original, model)``: ``original`` is the module at the same path in the
+fresh model built from ``config.json``, ``model`` that fresh model); the weights are loaded afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from ..modules.latent_attention import LatentAttention
+from ..modules.latent_linear import LatentLinear
+from .hybrid_attention import HybridSelfAttention, build_from_spec
+from .latent_attention import latent_attention_spec, rebuild_latent_attention
+
+__all__ = ["ReplacementType", "replacement_types"]
+
+
+@dataclass(frozen=True)
+class ReplacementType:
+    """How to describe (``spec``) and rebuild (``build(spec, original, model)``) a replacement module."""
+
+    cls: type
+    spec: Callable[[nn.Module], dict]
+    build: Callable[[dict, nn.Module, nn.Module], nn.Module]
+
+
+def _latent_linear_spec(module: LatentLinear) -> dict:
+    return {"in_features": module.in_features, "out_features": module.out_features, "rank": module.rank,
+            "junction": module.junction, "bias": module.bias is not None}
+
+
+def _latent_linear_build(spec: dict, original: nn.Module, model: nn.Module) -> LatentLinear:
+    return LatentLinear(**spec)
+
+
+def _hybrid_attention_spec(module: HybridSelfAttention) -> dict:
+    return module.spec()
+
+
+def _hybrid_attention_build(spec: dict, original: nn.Module, model: nn.Module) -> HybridSelfAttention:
+    return build_from_spec(spec, original)
+
+
+def replacement_types() -> dict[str, ReplacementType]:
+    """Class name -> ``ReplacementType`` of every saveable replacement (an explicit, fresh dict)."""
+    return {
+        "HybridSelfAttention": ReplacementType(HybridSelfAttention, _hybrid_attention_spec, _hybrid_attention_build),
+        "LatentAttention": ReplacementType(LatentAttention, latent_attention_spec, rebuild_latent_attention),
+        "LatentLinear": ReplacementType(LatentLinear, _latent_linear_spec, _latent_linear_build),
+    }

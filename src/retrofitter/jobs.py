@@ -1,0 +1,149 @@
+"""The CLI's jobs as functions: load → convert → save → evaluate, each returning the results record.
+
+``retrofitter compress|linearize|eval`` map their flags onto these arguments and print/write what
+they return; a script can call them the same way. The record itself is built by ``api.evaluate``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+from .api import compress, evaluate, linearize, load_model, save
+from .checkpoint import RETROFITTER_JSON, is_retrofitted_dir, prepare_output_dir
+from .config import CompressConfig, EvalConfig, LinearizeConfig
+from .data.blocks import token_blocks
+from .data.corpora import load_text
+from .eval.accounting import account
+from .eval.perplexity import perplexity
+from .eval.resources import current_rss_mb, peak_rss_mb, sampled_rss
+from .pipelines.linearize import check_linearize_config
+from .pipelines.sequential import CalibrationError
+
+__all__ = ["compress_job", "linearize_job", "eval_job", "NO_EVAL"]
+
+NO_EVAL = EvalConfig(corpora=())  # accounting only, no perplexity
+
+
+def compress_job(model_name: str, out, config: CompressConfig, eval_config: EvalConfig = NO_EVAL, *,
+                 calib: str = "wiki-calib", calib_samples: int = 64, seq_len: int = 512, overwrite: bool = False,
+                 measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True) -> dict:
+    """Compress ``model_name`` on ``calib_samples`` blocks of ``seq_len`` tokens of ``calib``, save to ``out``
+    (resumable through ``.OUT.partial`` beside it), evaluate; returns the results record."""
+    out = Path(out)
+    prepare_output_dir(out, overwrite)  # fail before any work
+    timings = {}
+    start = time.perf_counter()
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    timings["load"] = time.perf_counter() - start
+    calibration = token_blocks(tokenizer, load_text(calib), seq_len=seq_len, max_blocks=calib_samples)
+    if calibration.shape[0] < calib_samples:
+        raise CalibrationError(f"calibration corpus {calib!r} gives only {calibration.shape[0]} blocks of "
+                               f"{seq_len} tokens; --calib-samples asks for {calib_samples}")
+    before = account(model)
+    memory = {"after_load": current_rss_mb()}
+    if measure_cost:  # one plain forward over the calibration tokens: the unit of the cost ratio
+        t0 = time.perf_counter()
+        perplexity(model, calibration, batch_size=config.batch_size, progress=False)
+        timings["calibration_forward"] = time.perf_counter() - t0
+        memory["after_calibration_forward"] = current_rss_mb()
+    compress_memory: dict = {}
+    with sampled_rss(compress_memory, interval_s=0.05):  # the compression alone (not the --measure-cost forward)
+        model, report = compress(model, config, calibration, progress=progress,
+                                 checkpoint_dir=out.parent / f".{out.name}.partial")
+    timings["compress"] = report["timings_s"]["total"]
+    metadata = {"method": config.method, "ratio": config.ratio, "source_model": model_name,
+                "config": config.to_dict(), "calibration": {"corpus": calib, "blocks": calibration.shape[0],
+                                                            "seq_len": seq_len},
+                "ranks": report["ranks"]}
+    t0 = time.perf_counter()
+    save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+    timings["save"] = time.perf_counter() - t0
+    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=config.method,
+                       ratio=config.ratio, baseline=before)
+    results["out"] = str(out)
+    results["settings"].update({"calib": calib, "calib_samples": calibration.shape[0], "calib_seq_len": seq_len,
+                                "compress_config": config.to_dict()})
+    results["timings_s"].update(timings, compress_breakdown=report["timings_s"])
+    fp32_mb = before.params_total * 4 / 2**20
+    results["compress_peak_rss_mb"] = compress_memory["peak_mb"]
+    results["cost"] = {"peak_rss_over_fp32_model": compress_memory["peak_mb"] / fp32_mb, "fp32_model_mb": fp32_mb,
+                       "rss_mb": {**memory, "after_capture": report["rss_after_capture_mb"],
+                                  "after_each_layer": [r["rss_mb"] for r in report["layers"]]}}
+    if measure_cost:
+        results["cost"]["compress_over_calibration_forward"] = timings["compress"] / timings["calibration_forward"]
+    results["allocation"] = report["allocation"]
+    results["layers"] = report["layers"]
+    return results
+
+
+def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: EvalConfig = NO_EVAL, *,
+                  preset: str | None = None, train_corpus: str = "wiki-calib", work_dir=None,
+                  eval_original: bool = False, overwrite: bool = False, dtype="float32", device="cpu",
+                  progress: bool = True) -> dict:
+    """LoLCATs on ``model_name`` with text of ``train_corpus``, save to ``out``, evaluate; the results record.
+
+    Transfer and LoRA read consecutive, disjoint blocks of the training text while it lasts. The
+    block-wise transfer cache ``work_dir`` defaults to ``.OUT.transfer`` beside ``out`` (reused to resume).
+    """
+    out = Path(out)
+    prepare_output_dir(out, overwrite)  # fail before any work
+    check_linearize_config(config)
+    timings, start = {}, time.perf_counter()
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    timings["load"] = time.perf_counter() - start
+    before = account(model)
+    original = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name) if eval_original else None
+    wanted = config.transfer_tokens + config.lora_tokens
+    blocks = token_blocks(tokenizer, load_text(train_corpus), config.seq_len, max_tokens=max(wanted, config.seq_len))
+    n_transfer = max(1, config.transfer_tokens // config.seq_len)
+    n_lora = max(1, config.lora_tokens // config.seq_len)
+    transfer_blocks = blocks[:n_transfer]
+    lora_blocks = blocks[n_transfer:n_transfer + n_lora] if blocks.shape[0] >= n_transfer + n_lora else blocks[:n_lora]
+    work_dir = Path(work_dir) if work_dir else out.parent / f".{out.name}.transfer"
+    model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir)
+    timings.update(report["timings_s"])
+    linearize_peak = peak_rss_mb()
+    metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),
+                "preset": preset, "replaced_layers": report["replaced_layers"]}
+    t0 = time.perf_counter()
+    save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+    timings["save"] = time.perf_counter() - t0
+    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method="lolcats",
+                       baseline=before)
+    results["out"] = str(out)
+    results["settings"].update({"linearize_config": config.to_dict(), "preset": preset, "train_corpus": train_corpus,
+                                "transfer_blocks": list(transfer_blocks.shape), "lora_blocks": list(lora_blocks.shape),
+                                "work_dir": str(work_dir)})
+    results["timings_s"].update(timings)
+    results["linearize_peak_rss_mb"] = linearize_peak
+    if original is not None:
+        results["ppl_original"] = original["ppl"]
+        results["original"] = original
+    results["transfer_mse"] = {str(k): v for k, v in report.get("transfer", {}).get("layers", {}).items()}
+    results["lora"] = {k: v for k, v in report.get("lora", {}).items() if k != "loss_history"}
+    return results
+
+
+def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit: float | None = None,
+             dtype="float32", device="cpu", progress: bool = True) -> dict:
+    """Perplexity and accounting of any causal LM (and lm-eval ``tasks`` when given); the results record."""
+    if tasks:
+        from .eval.lm_eval_harness import lm_eval_available
+
+        if not lm_eval_available():  # fail before the (slow) perplexity evaluation
+            raise ValueError("--tasks needs lm-eval: pip install 'retrofitter[lm-eval]'")
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    method, ratio = "original", None
+    if is_retrofitted_dir(model_name):
+        info = json.loads((Path(model_name) / RETROFITTER_JSON).read_text())
+        method, ratio = info.get("method", "retrofitted"), info.get("ratio")
+    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=method, ratio=ratio)
+    if tasks:
+        from .eval.lm_eval_harness import run_lm_eval
+
+        limit = tasks_limit if tasks_limit is None or tasks_limit < 1 else int(tasks_limit)
+        results["lm_eval"] = run_lm_eval(model, tokenizer, list(tasks), limit=limit)
+    return results
