@@ -6,6 +6,9 @@ Public API (lazy, so ``import retrofitter`` stays cheap):
 
 from .version import __version__
 
+__all__ = ["__version__", "compress", "linearize", "evaluate", "load", "save", "load_model", "CompressConfig",
+           "LinearizeConfig", "EvalConfig"]
+
 _API_NAMES = {"compress", "linearize", "evaluate", "load", "save", "load_model"}
 _CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "EvalConfig"}
 

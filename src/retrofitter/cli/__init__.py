@@ -8,70 +8,14 @@ the fields of ``CompressConfig`` / ``LinearizeConfig`` (help texts and defaults 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-from .config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, LinearizeConfig
+from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, LinearizeConfig
+from .flags import add_config_flags, config_from_args, name_list, positive_int_list
 
 __all__ = ["main", "build_parser"]
-
-
-def _name_list(text: str) -> tuple[str, ...]:
-    items = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not items:
-        raise argparse.ArgumentTypeError("give at least one name")
-    return items
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        items = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not items or min(items) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return items
-
-
-def _positive_int_list(text: str) -> tuple[int, ...]:
-    items = _int_list(text)
-    if min(items) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return items
-
-
-def add_config_flags(parser, config_class, required=(), skip=(), choices: dict | None = None) -> None:
-    """One ``--field-name`` flag per dataclass field (default None = the config's own default).
-
-    Booleans get ``--x/--no-x``; tuples take comma-separated values; help and choices come from the
-    field's metadata (``config._option``), extra ``choices`` from registries the config cannot import.
-    """
-    for f in dataclasses.fields(config_class):
-        if f.name in skip:
-            continue
-        flag, help_text = f"--{f.name.replace('_', '-')}", f.metadata.get("help", "")
-        options = (choices or {}).get(f.name) or f.metadata.get("choices")
-        if f.name in required:
-            kind = type(f.default)
-            parser.add_argument(flag, type=kind, required=True, help=help_text)
-        elif "bool" in str(f.type):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{help_text} (default {f.default})")
-        elif str(f.type).startswith("tuple"):
-            kind = _int_list if "int" in str(f.type) else _name_list
-            parser.add_argument(flag, type=kind, default=None, help=help_text)
-        else:
-            kind = type(f.default) if f.default is not None else str
-            parser.add_argument(flag, type=kind, default=None, choices=options, help=f"{help_text} (default {f.default})")
-
-
-def config_from_args(config_class, args, base: dict | None = None):
-    """The config of the flags given (fields whose flag was not given keep ``base`` or the default)."""
-    names = {f.name for f in dataclasses.fields(config_class)}
-    given = {name: value for name, value in vars(args).items() if name in names and value is not None}
-    return config_class(**{**(base or {}), **given})
 
 
 def _add_common(parser, json_flag: bool = True) -> None:
@@ -83,7 +27,7 @@ def _add_common(parser, json_flag: bool = True) -> None:
 
 
 def _add_eval_flags(parser, flag: str, default: str) -> None:
-    parser.add_argument(flag, dest="corpora", type=_name_list, default=_name_list(default),
+    parser.add_argument(flag, dest="corpora", type=name_list, default=name_list(default),
                         help=f"comma-separated evaluation corpora (default {default}): built-in names, "
                              "a .txt file or directory, or hf:DATASET[:CONFIG][:SPLIT]")
     parser.add_argument("--eval-seq-len", type=int, default=None, help="perplexity window length (default: --seq-len)")
@@ -98,8 +42,8 @@ def _add_output_flags(parser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .modules.feature_maps import FEATURE_MAPS
-    from .ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
+    from ..modules.feature_maps import FEATURE_MAPS
+    from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 
     parser = argparse.ArgumentParser(prog="retrofitter", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows per-layer progress)")
@@ -113,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("model", help="alias (smollm2-135m), local HF dir, saved retrofitter dir or hub id")
     _add_eval_flags(evaluate, "--ppl", "wiki-eval")
     evaluate.add_argument("--seq-len", type=int, default=512)
-    evaluate.add_argument("--tasks", type=_name_list, default=(),
+    evaluate.add_argument("--tasks", type=name_list, default=(),
                           help="comma-separated lm-eval tasks or task YAML paths (needs the lm-eval extra)")
     evaluate.add_argument("--tasks-limit", type=float, default=None, help="lm-eval examples per task (or a fraction)")
     _add_common(evaluate)
@@ -150,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="measured prefill latency, decode speed, cache bytes and memory")
     bench.add_argument("models", nargs="+", help="models to compare (first is the reference for ratios)")
     bench.add_argument("--prefill-len", type=int, default=512, help="prefill length in tokens (default 512)")
-    bench.add_argument("--contexts", type=_positive_int_list, default=(256, 1024, 4096),
+    bench.add_argument("--contexts", type=positive_int_list, default=(256, 1024, 4096),
                        help="comma-separated decode contexts (default 256,1024,4096)")
     bench.add_argument("--decode-tokens", type=int, default=32, help="timed greedy decode steps (default 32)")
     bench.add_argument("--repeats", type=int, default=3, help="timed repetitions per model (default 3)")
@@ -185,8 +129,8 @@ def _eval_config(args, seq_len: int) -> EvalConfig:
 
 
 def _show(results: dict, args) -> int:
-    from .api import write_json
-    from .eval.table import format_results_table
+    from ..api import write_json
+    from ..eval.table import format_results_table
 
     for task, metrics in results.get("lm_eval", {}).get("tasks", {}).items():
         print(f"lm-eval {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None))
@@ -198,7 +142,7 @@ def _show(results: dict, args) -> int:
 
 
 def cmd_fetch(args) -> int:
-    from .data.fetch import fetch
+    from ..data.fetch import fetch
 
     for name, path in fetch(args.names, progress=not args.quiet).items():
         print(f"{name}: {path}")
@@ -206,14 +150,14 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .jobs import eval_job
+    from ..jobs import eval_job
 
     return _show(eval_job(args.model, _eval_config(args, args.seq_len), tasks=args.tasks, tasks_limit=args.tasks_limit,
                           dtype=args.dtype, device=args.device, progress=not args.quiet), args)
 
 
 def cmd_compress(args) -> int:
-    from .jobs import compress_job
+    from ..jobs import compress_job
 
     config = config_from_args(CompressConfig, args)
     return _show(compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
@@ -223,7 +167,7 @@ def cmd_compress(args) -> int:
 
 
 def cmd_linearize(args) -> int:
-    from .jobs import linearize_job
+    from ..jobs import linearize_job
 
     preset = LINEARIZE_PRESETS[args.preset] if args.preset else {}
     config = config_from_args(LinearizeConfig, args, base=preset.get("config"))
@@ -238,8 +182,8 @@ def cmd_linearize(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from .api import load_model, write_json
-    from .eval.bench import bench_models, format_bench_table, unique_labels
+    from ..api import load_model, write_json
+    from ..eval.bench import bench_models, format_bench_table, unique_labels
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -254,14 +198,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .eval.report import write_report
+    from ..eval.report import write_report
 
     print(f"wrote {write_report(args.run_dirs, args.out)}")
     return 0
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from ..demo import run_demo
 
     run_demo(out=args.out, model_name=args.model, ratios=tuple(float(r) for r in args.ratios.split(",") if r),
              latentllm_ratios=tuple(float(r) for r in args.latentllm_ratios.split(",") if r),
