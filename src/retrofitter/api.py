@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import is_retrofitted_dir, load_retrofitted, save_retrofitted
+from .checkpoint import check_weight_files, is_retrofitted_dir, load_retrofitted, save_retrofitted
 from .config import CompressConfig, EvalConfig
+from .errors import ModelLoadError
 from .eval.accounting import account
 from .eval.perplexity import perplexity
 from .eval.resources import peak_rss_mb, timed
@@ -29,23 +30,53 @@ def resolve_dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_device(device) -> torch.device:
+    """``device`` as a ``torch.device``, refused at once when this machine or torch build cannot use it."""
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "this torch build has no CUDA support" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"device {device!r} is not available: {build}; use --device cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s) visible")
+    elif resolved.type != "cpu" and resolved.type != "mps":
+        raise ValueError(f"unsupported device {device!r}; use cpu or cuda")
+    return resolved
+
+
 def load_model(name_or_path: str, dtype="float32", device="cpu"):
     """``(model, tokenizer)`` for a built-in alias, a local HF dir, a saved retrofitter dir or a hub id.
 
-    Weights load from safetensors only; no remote code is ever executed.
+    Weights load from safetensors only; no remote code is ever executed. Any failure to read the
+    model raises ``errors.ModelLoadError`` naming the model and the file at fault.
     """
     import transformers
 
     from .data.models import resolve_model_source
 
     dtype = resolve_dtype(dtype)
-    source = resolve_model_source(name_or_path)
-    if is_retrofitted_dir(source):
-        model = load_retrofitted(source, dtype=dtype, device=device)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    device = resolve_device(device)
+    try:
+        source = resolve_model_source(name_or_path)
+    except FileNotFoundError as error:
+        raise ModelLoadError(str(error)) from None
+    if Path(source).is_dir():
+        check_weight_files(source)
+    try:
+        if is_retrofitted_dir(source):
+            model = load_retrofitted(source, dtype=dtype, device=device)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except ModelLoadError:
+        raise
+    except Exception as error:  # noqa: BLE001 — whatever transformers or safetensors raise, one clear message
+        detail = " ".join(str(error).split())[:300] or type(error).__name__
+        raise ModelLoadError(f"cannot load model {name_or_path!s}: {detail}") from error
     model.name_or_path = str(name_or_path)
     return model, tokenizer
 
@@ -79,6 +110,11 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
     """
     timings: dict = {}
     ppl, details = {}, {}
+    if config.corpora:
+        broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        if broken is not None:
+            raise ValueError(f"the model has non-finite weights (NaN/Inf) in {broken}: its perplexity is undefined; "
+                             f"re-create it from the original")
     for corpus in config.corpora:
         if blocks is not None and corpus in blocks:
             corpus_blocks = blocks[corpus]
@@ -117,7 +153,7 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
 
 
 def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
-             checkpoint_dir=None) -> tuple[nn.Module, dict]:
+             checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place on ``calibration`` token blocks [n, seq_len]; returns ``(model, report)``.
 
     ``checkpoint_dir`` (optional) makes the run resumable: finished layers are written there and an
@@ -125,7 +161,8 @@ def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor
     """
     from .pipelines.compress import compress_model
 
-    return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir)
+    return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir,
+                          remove_checkpoint=remove_checkpoint)
 
 
 def teacher_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8, progress: bool = True) -> dict:

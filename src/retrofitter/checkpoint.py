@@ -10,19 +10,24 @@ excepted).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from .adapters.replacements import replacement_types
+from .errors import ModelLoadError, OutputBusyError
 
-__all__ = ["save_retrofitted", "load_retrofitted", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir",
+__all__ = ["save_retrofitted", "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
            "RETROFITTER_JSON"]
 
 RETROFITTER_JSON = "retrofitter.json"
@@ -44,6 +49,50 @@ def prepare_output_dir(out, overwrite: bool) -> None:
         raise OutputExistsError(f"output {out} already exists; pass --overwrite (overwrite=True) to replace it")
 
 
+def check_writable(path, what: str = "output") -> None:
+    """Fail before any work when ``path`` (a file or directory to create) cannot be written: its nearest
+    existing ancestor must be a directory in which a file can be created (a probe, so it holds for root)."""
+    path = Path(path).expanduser().absolute()
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{what} {path}: {ancestor} is a file, not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".retrofitter-probe-"):
+            pass
+    except OSError as error:
+        raise PermissionError(f"{what} {path}: cannot write in {ancestor} ({error.strerror})") from None
+
+
+@contextlib.contextmanager
+def output_lock(out) -> Iterator[None]:
+    """Hold ``.OUT.lock`` beside ``out`` for one run: a second run writing the same output fails at once
+    with ``OutputBusyError`` naming the first one's pid. The lock is released (and its file removed) on exit."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out.parent / f".{out.name}.lock"
+    handle = open(lock_path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "?"
+        handle.close()
+        raise OutputBusyError(f"another retrofitter run (pid {owner}) is writing {out}; wait for it to finish or "
+                              f"choose another --out") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
 def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, overwrite: bool = False) -> Path:
     """Write ``model`` to directory ``out`` atomically (temp dir + rename). Returns ``out``."""
     out = Path(out)
@@ -57,6 +106,7 @@ def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, over
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the output gets the user's normal permissions
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -76,36 +126,102 @@ def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, over
     return out
 
 
+def read_retrofitter_json(path) -> dict:
+    """``retrofitter.json`` of a saved directory, checked: a JSON object of a known format version whose
+    ``replacements`` map module paths to ``{"type": known type, "spec": {...}}``."""
+    file = Path(path) / RETROFITTER_JSON
+    try:
+        info = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{file}: not readable JSON ({error})") from None
+    if not isinstance(info, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object, got {type(info).__name__}")
+    version = info.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise ModelLoadError(f"{file}: missing or invalid format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise ModelLoadError(f"{file}: format_version {version} was written by a newer retrofitter (this one reads "
+                             f"up to {FORMAT_VERSION}); upgrade retrofitter to load it")
+    replacements = info.get("replacements", {})
+    if not isinstance(replacements, dict):
+        raise ModelLoadError(f"{file}: 'replacements' must be an object of module path -> entry")
+    known = replacement_types()
+    for module_path, entry in replacements.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("spec"), dict):
+            raise ModelLoadError(f"{file}: replacement {module_path!r} must be {{\"type\": ..., \"spec\": {{...}}}}")
+        if entry.get("type") not in known:
+            raise ModelLoadError(f"{file}: unknown replacement type {entry.get('type')!r} at {module_path}; known: "
+                                 f"{sorted(known)} (saved by a newer retrofitter?)")
+    return info
+
+
 def load_retrofitted(path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a model written by :func:`save_retrofitted` (safetensors only)."""
+    """Rebuild a model written by :func:`save_retrofitted` (safetensors only).
+
+    ``retrofitter.json`` and the weights are checked against each other before anything is loaded;
+    every inconsistency raises ``ModelLoadError`` naming the first entry at fault.
+    """
     import transformers
 
     path = Path(path)
-    info = json.loads((path / RETROFITTER_JSON).read_text())
+    info = read_retrofitter_json(path)
     config = transformers.AutoConfig.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     types = replacement_types()
     for module_path, entry in info.get("replacements", {}).items():
-        if entry["type"] not in types:
-            raise ValueError(f"{path}: unknown replacement type {entry['type']!r} at {module_path}; "
-                             f"known: {sorted(types)} (saved by a newer retrofitter?)")
-        original = model.get_submodule(module_path)
-        model.set_submodule(module_path, types[entry["type"]].build(entry["spec"], original, model))
-    state = {}
-    for file in sorted(path.glob("*.safetensors")):
-        state.update(load_file(file))
-    if not state:
-        raise FileNotFoundError(f"{path} holds no .safetensors weights")
+        try:
+            original = model.get_submodule(module_path)
+            model.set_submodule(module_path, types[entry["type"]].build(entry["spec"], original, model))
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise ModelLoadError(f"{path / RETROFITTER_JSON}: replacement {module_path!r} does not fit the model "
+                                 f"of config.json ({error})") from None
+    state = _read_weights(path)
+    expected = model.state_dict()
+    for key, tensor in state.items():
+        if key in expected and tuple(expected[key].shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"{path}: weight {key} has shape {tuple(tensor.shape)} but retrofitter.json and "
+                                 f"config.json describe {tuple(expected[key].shape)} (edited ranks or mixed files?)")
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = _tied_parameter_names(model)
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the recorded structure; missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ModelLoadError(f"{path}: weights do not match the recorded structure; missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()
+
+
+def check_weight_files(path) -> None:
+    """Open the header of every ``*.safetensors`` file of directory ``path``: a damaged one raises
+    ``ModelLoadError`` naming it (the header check also catches files cut short)."""
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 — safetensors raises its own error type for damaged files
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({error}); it is truncated or damaged — "
+                                 f"save or copy it again") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            state.update(load_file(file))
+        except Exception as error:  # noqa: BLE001 — safetensors raises its own error type for damaged files
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({error}); it is truncated or damaged — "
+                                 f"save or copy it again") from None
+    if not state:
+        raise ModelLoadError(f"{path} holds no .safetensors weights")
+    return state
 
 
 def _tied_parameter_names(model: nn.Module) -> set[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS"]
@@ -28,6 +29,13 @@ def _option(default, help: str, choices=None):
 
 
 class _JsonRoundTrip:
+    def _check_finite(self) -> None:
+        """NaN or Inf in a number field is refused by name (it would surface deep in the math otherwise)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -97,6 +105,7 @@ class CompressConfig(_JsonRoundTrip):
     allocation_gradient_blocks: int = _option(8, "fisher weighting: calibration blocks of the backward passes")
 
     def __post_init__(self):
+        self._check_finite()
         if not 0.0 < self.ratio < 1.0:
             raise ValueError(f"ratio must lie in (0, 1) (fraction of linear parameters removed), got {self.ratio}")
         if self.method not in COMPRESS_METHODS:
@@ -176,6 +185,7 @@ class LinearizeConfig(_JsonRoundTrip):
     seed: int = _option(0, "random seed")
 
     def __post_init__(self):
+        self._check_finite()
         # feature_map, window_kind and linear_weight name registries of modules/ and ops/: checked by
         # pipelines.linearize.check_linearize_config (config sits below them and imports neither)
         if self.transfer_mode not in ("joint", "blockwise"):
@@ -239,3 +249,12 @@ class EvalConfig(_JsonRoundTrip):
     batch_size: int = 4
     context_for_macs: int = 512
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"the evaluation window (seq_len) must be >= 2 tokens, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"the evaluation batch size must be >= 1, got {self.batch_size}")
+        if self.max_eval_tokens is not None and self.max_eval_tokens < self.seq_len:
+            raise ValueError(f"max_eval_tokens ({self.max_eval_tokens}) is below one evaluation window "
+                             f"({self.seq_len} tokens): no perplexity could be measured")

@@ -7,15 +7,16 @@ they return; a script can call them the same way. The record itself is built by 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 
 from .api import compress, evaluate, linearize, load_model, save
-from .checkpoint import RETROFITTER_JSON, is_retrofitted_dir, prepare_output_dir
+from .checkpoint import RETROFITTER_JSON, check_writable, is_retrofitted_dir, output_lock, prepare_output_dir
 from .config import CompressConfig, EvalConfig, LinearizeConfig
 from .data.blocks import token_blocks
-from .data.corpora import load_text
+from .data.corpora import check_corpus, load_text
 from .eval.accounting import account
 from .eval.perplexity import perplexity
 from .eval.resources import current_rss_mb, peak_rss_mb, sampled_rss
@@ -31,9 +32,22 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
                  calib: str = "wiki-calib", calib_samples: int = 64, seq_len: int = 512, overwrite: bool = False,
                  measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True) -> dict:
     """Compress ``model_name`` on ``calib_samples`` blocks of ``seq_len`` tokens of ``calib``, save to ``out``
-    (resumable through ``.OUT.partial`` beside it), evaluate; returns the results record."""
+    (resumable through ``.OUT.partial`` beside it, removed once ``out`` is in place), evaluate; returns the
+    results record. Every argument is checked before any work; one run at a time may write ``out``."""
     out = Path(out)
-    prepare_output_dir(out, overwrite)  # fail before any work
+    if calib_samples < 1:
+        raise ValueError(f"--calib-samples must be >= 1, got {calib_samples}")
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2 (a block needs a next token), got {seq_len}")
+    check_corpus(calib, "--calib")
+    _check_outputs(out, overwrite, eval_config)
+    with output_lock(out):
+        return _compress(model_name, out, config, eval_config, calib, calib_samples, seq_len, overwrite,
+                         measure_cost, dtype, device, progress)
+
+
+def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, seq_len, overwrite, measure_cost,
+              dtype, device, progress) -> dict:
     timings = {}
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
@@ -50,9 +64,10 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
         timings["calibration_forward"] = time.perf_counter() - t0
         memory["after_calibration_forward"] = current_rss_mb()
     compress_memory: dict = {}
+    partial = out.parent / f".{out.name}.partial"
     with sampled_rss(compress_memory, interval_s=0.05):  # the compression alone (not the --measure-cost forward)
-        model, report = compress(model, config, calibration, progress=progress,
-                                 checkpoint_dir=out.parent / f".{out.name}.partial")
+        model, report = compress(model, config, calibration, progress=progress, checkpoint_dir=partial,
+                                 remove_checkpoint=False)
     timings["compress"] = report["timings_s"]["total"]
     metadata = {"method": config.method, "ratio": config.ratio, "source_model": model_name,
                 "config": config.to_dict(), "calibration": {"corpus": calib, "blocks": calibration.shape[0],
@@ -60,9 +75,11 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
                 "ranks": report["ranks"]}
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+    shutil.rmtree(partial, ignore_errors=True)  # only now: a failed save leaves the finished layers to resume from
     timings["save"] = time.perf_counter() - t0
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=config.method,
                        ratio=config.ratio, baseline=before)
+    results["calibration"] = report["calibration"]
     results["out"] = str(out)
     results["settings"].update({"calib": calib, "calib_samples": calibration.shape[0], "calib_seq_len": seq_len,
                                 "compress_config": config.to_dict()})
@@ -86,11 +103,20 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
     """LoLCATs on ``model_name`` with text of ``train_corpus``, save to ``out``, evaluate; the results record.
 
     Transfer and LoRA read consecutive, disjoint blocks of the training text while it lasts. The
-    block-wise transfer cache ``work_dir`` defaults to ``.OUT.transfer`` beside ``out`` (reused to resume).
+    block-wise transfer cache ``work_dir`` defaults to ``.OUT.transfer`` beside ``out`` (reused to resume,
+    removed once ``out`` is in place). Every argument is checked before any work.
     """
     out = Path(out)
-    prepare_output_dir(out, overwrite)  # fail before any work
     check_linearize_config(config)
+    check_corpus(train_corpus, "--train-corpus")
+    _check_outputs(out, overwrite, eval_config)
+    with output_lock(out):
+        return _linearize(model_name, out, config, eval_config, preset, train_corpus, work_dir, eval_original,
+                          overwrite, dtype, device, progress)
+
+
+def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus, work_dir, eval_original, overwrite,
+               dtype, device, progress) -> dict:
     timings, start = {}, time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
@@ -110,6 +136,8 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
                 "preset": preset, "replaced_layers": report["replaced_layers"]}
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+    if config.transfer_mode == "blockwise":
+        shutil.rmtree(work_dir, ignore_errors=True)  # the cached teacher inputs, once the model is saved
     timings["save"] = time.perf_counter() - t0
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method="lolcats",
                        baseline=before)
@@ -127,9 +155,19 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
     return results
 
 
+def _check_outputs(out: Path, overwrite: bool, eval_config: EvalConfig) -> None:
+    """Before any work: the output may be written, the evaluation corpora exist."""
+    prepare_output_dir(out, overwrite)
+    check_writable(out, "--out")
+    for corpus in eval_config.corpora:
+        check_corpus(corpus, "--eval")
+
+
 def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit: float | None = None,
              dtype="float32", device="cpu", progress: bool = True) -> dict:
     """Perplexity and accounting of any causal LM (and lm-eval ``tasks`` when given); the results record."""
+    for corpus in eval_config.corpora:
+        check_corpus(corpus, "--ppl")
     if tasks:
         from .eval.lm_eval_harness import lm_eval_available
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
+from ..checkpoint import check_writable
 from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, LinearizeConfig
+from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, name_list, positive_int_list
 
 __all__ = ["main", "build_parser"]
@@ -47,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="retrofitter", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows per-layer progress)")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error (or RETROFITTER_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     fetch = commands.add_parser("fetch", help="download the default model and corpora into the cache")
@@ -218,16 +223,31 @@ COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "lin
             "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 
+# Failures users cause (bad input, files, settings): one line naming the culprit. Anything else is a bug of
+# ours: one line too, marked as internal, so a user never faces a raw traceback (--debug shows it).
+USER_ERRORS = (RetrofitterError, ValueError, OSError, FloatingPointError)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    debug = args.debug or os.environ.get("RETROFITTER_DEBUG", "") not in ("", "0")
     try:
+        if getattr(args, "json", None):
+            check_writable(args.json, "--json")
         return COMMANDS[args.command](args)
-    except (ValueError, FileExistsError, FileNotFoundError, OSError) as error:
-        # Known user-facing failures: one clear line, no traceback (use --log-level DEBUG for it).
-        logging.getLogger("retrofitter").debug("traceback", exc_info=True)
-        print(f"retrofitter {args.command}: error: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"retrofitter {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 — the one place that turns exceptions into messages
+        if debug:
+            traceback.print_exc()
+        message = " ".join(str(error).split()) or type(error).__name__
+        if not isinstance(error, USER_ERRORS):
+            message = (f"internal error ({type(error).__name__}: {message}); rerun with --debug for the traceback "
+                       f"and report it")
+        print(f"retrofitter {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

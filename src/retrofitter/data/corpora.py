@@ -87,6 +87,14 @@ def _load_local_text(path: Path) -> str:
     return FILE_SEPARATOR.join(file.read_text(encoding="utf-8").strip("\n") for file in files)
 
 
+def check_corpus(name: str | Path, flag: str = "corpus") -> None:
+    """Raise ``ValueError`` (naming ``flag``) unless ``name`` is an accepted corpus form; loads nothing."""
+    if isinstance(name, str) and (name in CORPORA or name.startswith(HF_PREFIX)):
+        return
+    if not Path(name).expanduser().exists():
+        raise ValueError(f"{flag} {str(name)!r}: no such corpus; expected {_accepted_forms()}")
+
+
 def load_text(name: str | Path, progress: bool = True) -> str:
     """The text of a corpus given in any of the accepted forms (see the module docstring)."""
     if isinstance(name, str) and name in CORPORA:

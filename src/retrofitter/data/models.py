@@ -172,4 +172,11 @@ def resolve_model_source(name_or_path: str | Path) -> str | Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    text = str(name_or_path)
+    # a path, not a hub id ("org/name"): absolute, explicit relative, a file, or under an existing local directory
+    if (path.exists() or text.startswith(("/", ".", "~")) or text.count("/") > 1
+            or (len(path.parts) > 1 and Path(path.parts[0]).is_dir())):
+        kind = "not a directory" if path.exists() else "no such directory"
+        raise FileNotFoundError(f"model {text}: {kind} (give a model directory, a built-in alias "
+                                f"{sorted(MODEL_ALIASES)} or a hub id org/name)")
     return name_or_path

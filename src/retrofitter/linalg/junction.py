@@ -136,7 +136,8 @@ def junction_factor(B: torch.Tensor, A: torch.Tensor, max_condition: float | Non
     if max_condition is not None and not condition <= max_condition:
         raise ValueError(
             f"junction matrix is ill-conditioned: cond(J) = {condition:.3g} > max_condition = {max_condition:.3g} "
-            f"(rank {rank} input factor is numerically rank-deficient); lower the rank or use junction=False"
+            f"(rank {rank} input factor is numerically rank-deficient); lower the rank or store plain factors "
+            f"(--no-junction, junction=False)"
         )
     mix = torch.linalg.solve(junction, A64[:, rest_index])  # J⁻¹ A[:, rest]  [r, d − r]
     up = B64 @ junction  # B J  [d', r]

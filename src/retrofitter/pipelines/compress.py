@@ -42,17 +42,18 @@ def strategy_name(config: CompressConfig) -> str:
 
 
 def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
-                   checkpoint_dir=None) -> tuple[nn.Module, dict]:
+                   checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place on calibration token blocks [n, seq_len]; returns ``(model, report)``.
 
-    ``checkpoint_dir`` makes the run resumable (pipelines/resume.py); it is removed on success.
+    ``checkpoint_dir`` makes the run resumable (pipelines/resume.py); it is removed on success unless
+    ``remove_checkpoint`` is False.
     """
     adapter = adapter_for(model)
     targets = target_names(adapter, config)
     strategy = STRATEGIES[strategy_name(config)](config, None)
     planner = make_planner(model, adapter, config, targets, calibration)
     return run_sequential(model, config, strategy, planner, calibration=calibration, progress=progress,
-                          checkpoint_dir=checkpoint_dir)
+                          checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint)
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from ..eval.resources import current_rss_mb, peak_rss_mb
 from ..linalg.moments import SecondMomentAccumulator
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments
+from .diagnostics import calibration_diagnostics
 from .resume import RunDirectory, fingerprint
 
 __all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "Planner", "run_sequential", "target_names",
@@ -136,7 +137,11 @@ def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[st
     layers = adapter.decoder_layers(model)
     for index, layer in enumerate(layers):
         for name in targets:
-            if not torch.isfinite(adapter.get_linear(layer, name).weight).all():
+            linear = adapter.get_linear(layer, name)
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"layer {index} projection {name!r} is a {type(linear).__name__} already: this model "
+                                 f"was converted before; compress the original model instead")
+            if not torch.isfinite(linear.weight).all():
                 raise ValueError(f"non-finite values (NaN/Inf) in the weights of layer {index} projection {name!r} "
                                  f"({adapter.linear_path_in_model(index, name)})")
     if calibration is None:
@@ -153,12 +158,13 @@ def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[st
 @torch.no_grad()
 def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStrategy, planner: Planner, *,
                    calibration: torch.Tensor | None = None, precomputed: dict | None = None, progress: bool = True,
-                   checkpoint_dir=None) -> tuple[nn.Module, dict]:
+                   checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place (module docstring); returns ``(model, report)``.
 
     Give either ``calibration`` token blocks [n_blocks, seq_len] (the stream is captured and
     propagated) or ``precomputed`` statistics (layer index -> projection name -> accumulator).
-    ``checkpoint_dir`` makes the run resumable; it is removed when the run completes.
+    ``checkpoint_dir`` makes the run resumable; it is removed when the run completes unless
+    ``remove_checkpoint`` is False (a caller that saves the model removes it once the save is in place).
     """
     start = time.perf_counter()
     adapter = adapter_for(model)
@@ -167,10 +173,11 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
     check_compressible(model, adapter, targets, calibration)
     model.eval()
     timings = {"capture": 0.0, "allocation": 0.0, "fit": 0.0, "propagation": 0.0}
-    stream = None
+    stream, diagnostics = None, None
     if calibration is not None:
         t0 = time.perf_counter()
         stream = capture_stream(model, adapter, calibration, config.batch_size)
+        diagnostics = calibration_diagnostics(calibration, stream)
         timings["capture"] = time.perf_counter() - t0
     rss_after_capture = current_rss_mb()
     t0 = time.perf_counter()
@@ -218,9 +225,9 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
     finished = strategy.finish(model, targets)
     timings["total"] = time.perf_counter() - start
     report = summarize(config, reports, timings)
-    report.update(rss_after_capture_mb=rss_after_capture, mlp_layers_with_leading_pivots=pivoted,
-                  allocation=plan_report, ranks={f"{i}.{n}": r for (i, n), r in sorted(plan.items())}, **finished)
-    if run_dir is not None:
+    report.update(calibration=diagnostics, rss_after_capture_mb=rss_after_capture, allocation=plan_report,
+                  mlp_layers_with_leading_pivots=pivoted, ranks={f"{i}.{n}": r for (i, n), r in sorted(plan.items())}, **finished)
+    if run_dir is not None and remove_checkpoint:
         run_dir.remove()
     return model, report
 

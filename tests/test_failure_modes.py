@@ -1,0 +1,237 @@
+"""Bad input through the real CLI entry point: exit 2, one line on stderr naming the culprit, no traceback,
+and nothing lost (existing files unchanged, no output or partial directories left behind).
+
+The same table is docs/failure-modes.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from retrofitter.cli import main
+from tiny_models import SAMPLE_TEXT, save_tiny_model_dir
+
+SRC = Path(__file__).parents[1] / "src"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny model directory, a corpus, and the same model compressed once (read-only inputs of the cases)."""
+    root = tmp_path_factory.mktemp("failure-modes")
+    model_dir = save_tiny_model_dir(root / "tiny", "llama")
+    corpus = root / "corpus.txt"
+    corpus.write_text(SAMPLE_TEXT * 3)
+    compressed = root / "compressed"
+    assert main(["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
+                 "--seq-len", "32", "--out", str(compressed), "--no-eval", "--quiet"]) == 0
+    return root, model_dir, corpus, compressed
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for file in src.iterdir():
+        (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
+def _truncate(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _empty(d: Path) -> None:
+    (d / "model.safetensors").write_bytes(b"")
+
+
+def _json_of_wrong_shape(d: Path) -> None:
+    (d / "retrofitter.json").write_text(json.dumps(["not", "an", "object"]))
+
+
+def _edit_rank(d: Path) -> None:
+    info = json.loads((d / "retrofitter.json").read_text())
+    path, entry = next((p, e) for p, e in info["replacements"].items() if e["type"] == "LatentLinear")
+    entry["spec"]["rank"] += 1
+    (d / "retrofitter.json").write_text(json.dumps(info))
+
+
+def _newer_format(d: Path) -> None:
+    info = json.loads((d / "retrofitter.json").read_text())
+    info["format_version"] = 99
+    (d / "retrofitter.json").write_text(json.dumps(info))
+
+
+def _nan_weight(d: Path) -> None:
+    state = load_file(str(d / "model.safetensors"))
+    key = next(k for k in state if k.endswith("q_proj.weight"))
+    state[key][0, 0] = float("nan")
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+# (name, how the model directory is damaged (None: untouched), which model, command-line template, culprit)
+# Template words: MODEL the model directory, CORPUS the corpus, OUT an output path that must not appear.
+CASES = [
+    ("truncated weights", _truncate, "compressed", "eval MODEL --ppl CORPUS --seq-len 32", "model.safetensors"),
+    ("empty weights", _empty, "original", "eval MODEL --ppl CORPUS --seq-len 32", "model.safetensors"),
+    ("retrofitter.json of the wrong shape", _json_of_wrong_shape, "compressed", "eval MODEL --ppl CORPUS",
+     "retrofitter.json: expected a JSON object"),
+    ("rank edited in retrofitter.json", _edit_rank, "compressed", "eval MODEL --ppl CORPUS", "has shape"),
+    ("newer format version", _newer_format, "compressed", "eval MODEL --ppl CORPUS", "newer retrofitter"),
+    ("NaN weights at eval", _nan_weight, "original", "eval MODEL --ppl CORPUS --seq-len 32", "non-finite weights"),
+    ("cuda on a CPU build", None, "original", "eval MODEL --ppl CORPUS --device cuda", "device 'cuda'"),
+    ("damping NaN", None, "original", "compress MODEL --ratio 0.3 --damping nan --calib CORPUS --out OUT",
+     "damping must be a finite number"),
+    ("compressing a compressed model", None, "compressed",
+     "compress MODEL --ratio 0.3 --calib CORPUS --calib-samples 4 --seq-len 32 --out OUT --no-eval",
+     "converted before"),
+    ("max-eval-tokens 0", None, "original",
+     "compress MODEL --ratio 0.3 --calib CORPUS --out OUT --max-eval-tokens 0", "max_eval_tokens (0)"),
+    ("unknown eval corpus", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --out OUT --eval NO_SUCH",
+     "--eval 'NO_SUCH'"),
+    ("eval batch size 0", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --out OUT --eval-batch-size 0",
+     "batch size must be >= 1"),
+    ("unwritable --json", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --out OUT --json FILE/r.json",
+     "--json"),
+    ("unwritable --out", None, "original", "linearize MODEL --out FILE/out --train-corpus CORPUS", "--out"),
+    ("calib-samples 0", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --calib-samples 0 --out OUT",
+     "--calib-samples must be >= 1"),
+    ("missing local model", None, "original", "eval ./no/such/model --ppl CORPUS", "no such directory"),
+]
+
+
+def _digest(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name, damage, which, template, culprit", CASES, ids=[c[0] for c in CASES])
+def test_failure_is_one_clear_line_and_loses_nothing(base, tmp_path, capsys, monkeypatch, name, damage, which,
+                                                     template, culprit):
+    root, model_dir, corpus, compressed = base
+    model = _copy(compressed if which == "compressed" else model_dir, tmp_path / "model")
+    if damage is not None:
+        damage(model)
+    (tmp_path / "FILE").write_text("a file where a directory is expected")
+    monkeypatch.chdir(tmp_path)
+    before = _digest(tmp_path)
+    words = {"MODEL": str(model), "CORPUS": str(corpus), "OUT": str(tmp_path / "out")}
+    argv = [words.get(w, w) for w in template.split()] + ["--quiet"]
+    assert main(argv) == 2, name
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("retrofitter ")]
+    assert len(lines) == 1 and ": error: " in lines[0], err
+    assert culprit in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert _digest(tmp_path) == before  # no file changed, none added (no output, no .partial, no lock)
+
+
+def test_debug_shows_the_traceback(base, tmp_path, capsys):
+    root, model_dir, corpus, _ = base
+    assert main(["--debug", "eval", str(tmp_path / "nope" / "x" / "y"), "--ppl", str(corpus)]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_load_raises_one_documented_exception(base, tmp_path):
+    import retrofitter
+    from retrofitter.errors import ModelLoadError
+
+    _, _, _, compressed = base
+    model = _copy(compressed, tmp_path / "model")
+    _truncate(model)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        retrofitter.load(model)
+
+
+def _compress_argv(model_dir, corpus, out) -> list[str]:
+    return ["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
+            "--seq-len", "32", "--out", str(out), "--no-eval", "--quiet"]
+
+
+def test_two_runs_on_one_output_one_wins_the_other_fails_at_once(base, tmp_path):
+    root, model_dir, corpus, compressed = base
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    # The first run is made slow (its layer fit waits on a file) so that it holds the lock.
+    gate = tmp_path / "gate"
+    code = ("import sys, time, pathlib; import retrofitter.pipelines.local_svd as m; fit = m.LocalSVDStrategy.fit_layer\n"
+            "def slow(self, ctx):\n"
+            f"    while not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"
+            "    return fit(self, ctx)\n"
+            "m.LocalSVDStrategy.fit_layer = slow\n"
+            "from retrofitter.cli import main; sys.exit(main(sys.argv[1:]))")
+    first = subprocess.Popen([sys.executable, "-c", code, *_compress_argv(model_dir, corpus, out)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / ".out.lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.05)
+    second = subprocess.run([sys.executable, "-m", "retrofitter", *_compress_argv(model_dir, corpus, out)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    gate.write_text("go")
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    assert second.returncode == 2
+    assert f"another retrofitter run (pid {first.pid}) is writing {out}" in second.stderr
+    assert "Traceback" not in second.stderr
+    solo = load_file(str(compressed / "model.safetensors"))
+    raced = load_file(str(out / "model.safetensors"))
+    assert sorted(solo) == sorted(raced) and all(torch.equal(solo[k], raced[k]) for k in solo)
+    assert not lock.exists()
+
+
+def test_disk_full_at_save_keeps_the_partial_run_and_a_rerun_resumes(base, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import transformers
+
+    import retrofitter.pipelines.local_svd as local_svd
+
+    root, model_dir, corpus, compressed = base
+    out = tmp_path / "out"
+    save = transformers.PreTrainedModel.save_pretrained
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
+    assert main(_compress_argv(model_dir, corpus, out)) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    partial = tmp_path / ".out.partial"
+    assert (partial / "progress.json").exists() and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save)
+    fits = []
+    fit = local_svd.LocalSVDStrategy.fit_layer
+    monkeypatch.setattr(local_svd.LocalSVDStrategy, "fit_layer", lambda self, ctx: fits.append(1) or fit(self, ctx))
+    assert main(_compress_argv(model_dir, corpus, out)) == 0
+    assert fits == []  # every layer came from the partial run
+    assert not partial.exists()
+    solo, resumed = load_file(str(compressed / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(solo[k], resumed[k]) for k in solo)
+
+
+def test_output_directories_get_normal_permissions(base, tmp_path):
+    _, model_dir, corpus, _ = base
+    out = tmp_path / "out"
+    assert main(_compress_argv(model_dir, corpus, out)) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_degenerate_calibration_is_warned_and_recorded(base, tmp_path):
+    _, model_dir, _, _ = base
+    corpus = tmp_path / "aaaa.txt"
+    corpus.write_text("a" * 4000)
+    assert main([*_compress_argv(model_dir, corpus, tmp_path / "out"), "--json", str(tmp_path / "r.json")]) == 0
+    warnings = json.loads((tmp_path / "r.json").read_text())["calibration"]["warnings"]
+    assert any("highly repetitive" in w for w in warnings)
