@@ -19,6 +19,10 @@ COMPRESS_METHODS: dict[str, str] = {
     "latentllm": "rootcov",
 }
 
+# Where layer l's statistics come from (pipelines/sequential.py): the compressed model's own activations,
+# the original model's, or both (teacher_target: fit W' x_c to the original output W x_t, linalg/teacher_target.py).
+STATISTICS = ("compressed", "teacher", "teacher_target")
+
 # How global rank allocation compares the error of different matrices (pipelines/allocation.py).
 ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
 
@@ -62,7 +66,8 @@ class CompressConfig(_JsonRoundTrip):
     method: one of ``COMPRESS_METHODS``; the asvd-* variants differ by preconditioner.
     junction: store factors in block-identity form, r(d+d') − r² parameters instead of r(d+d').
     statistics: ``"compressed"`` — layer l is calibrated on the outputs of the already compressed
-      layers < l (sequential); ``"teacher"`` — on the original model's activations.
+      layers < l (sequential); ``"teacher"`` — on the original model's activations; ``"teacher_target"``
+      — fitted so that the compressed inputs reproduce the original's outputs (local methods).
     damping: λ in C + λ·mean(diag C)·I.
     targets: projection names to compress (adapter names, e.g. ``q k v o gate up down``); empty = all.
     allocation: ``"uniform"`` (each matrix keeps 1 − ratio of its parameters) or ``"global"`` (one
@@ -77,8 +82,10 @@ class CompressConfig(_JsonRoundTrip):
     ratio: float = _option(0.2, "fraction of the linear-layer parameters removed, in (0, 1)")
     method: str = _option("asvd-rootcov", "compression method", choices=tuple(COMPRESS_METHODS))
     junction: bool = _option(True, "block-identity factors, r(d+d')-r^2 parameters (--no-junction: plain B, A)")
-    statistics: str = _option("compressed", "calibrate layer l on the compressed (default) or the original "
-                              "model's activations", choices=("compressed", "teacher"))
+    statistics: str = _option("compressed", "calibrate layer l on the compressed model's activations (default), "
+                              "on the original's (teacher), or fit the compressed model's inputs to the original's "
+                              "outputs (teacher_target: error feedback, local methods)",
+                              choices=STATISTICS)
     damping: float = _option(1e-2, "lambda in C + lambda*mean(diag C)*I")
     targets: tuple[str, ...] = _option((), "comma-separated projections to compress (default all)")
     allocation: str | None = _option(None, "uniform: every matrix keeps 1-ratio of its parameters; global: one "
@@ -110,8 +117,11 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"ratio must lie in (0, 1) (fraction of linear parameters removed), got {self.ratio}")
         if self.method not in COMPRESS_METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(COMPRESS_METHODS)}")
-        if self.statistics not in ("compressed", "teacher"):
-            raise ValueError(f"statistics must be 'compressed' or 'teacher', got {self.statistics!r}")
+        if self.statistics not in STATISTICS:
+            raise ValueError(f"statistics must be one of {', '.join(STATISTICS)}, got {self.statistics!r}")
+        if self.statistics == "teacher_target" and self.method == "latentllm":
+            raise ValueError("statistics='teacher_target' (--statistics teacher_target) serves the local methods "
+                             "(svd, asvd-*, svd-llm); latentllm's joint fits use 'compressed' or 'teacher'")
         if self.allocation is None:  # frozen dataclass: resolve the method's default once, at construction
             object.__setattr__(self, "allocation", DEFAULT_ALLOCATION.get(self.method, "uniform"))
         if self.allocation not in ("uniform", "global"):

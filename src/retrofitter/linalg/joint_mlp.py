@@ -30,13 +30,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .moments import damped
 from .svd import weighted_low_rank
+from .teacher_target import fit_low_rank_map
 
 __all__ = [
     "ACTIVATIONS",
     "JointMLPResult",
-    "fit_low_rank_map",
     "fit_down_to_compressed",
     "joint_mlp_relu",
     "joint_gated_mlp",
@@ -57,20 +56,6 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}") from None
 
 
-def fit_low_rank_map(
-    cross_moment: torch.Tensor, second_moment: torch.Tensor, rank: int, damping: float = 1e-2
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-r (B [m, r], A [r, n]) minimising E‖t − B A s‖² given E[t sᵀ] [m, n] and E[s sᵀ] [n, n].
-
-    W* = E[t sᵀ] (damped E[s sᵀ])⁻¹ is the unconstrained solution; rootcov on E[s sᵀ] then gives the
-    exact rank-constrained one.
-    """
-    moment = second_moment.to(torch.float64)
-    cross = cross_moment.to(device=moment.device, dtype=torch.float64)
-    unconstrained = torch.linalg.solve(damped(moment, damping), cross.T).T  # cross · C⁻¹ (C symmetric)
-    return weighted_low_rank(unconstrained, moment, rank, "rootcov", damping)
-
-
 def fit_down_to_compressed(
     W_d: torch.Tensor,
     cross_moment: torch.Tensor,
@@ -78,7 +63,8 @@ def fit_down_to_compressed(
     rank: int,
     damping: float = 1e-2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress down [d_out, m] for the compressed intermediate: E[h ĥᵀ] [m, m], E[ĥ ĥᵀ] [m, m] → (B, A)."""
+    """Compress down [d_out, m] for the compressed intermediate: E[h ĥᵀ] [m, m], E[ĥ ĥᵀ] [m, m] → (B, A):
+    W_d E[h ĥᵀ] (damped E[ĥ ĥᵀ])⁻¹, then rootcov (``fit_low_rank_map``)."""
     weight = W_d.detach().to(torch.float64)
     return fit_low_rank_map(weight @ cross_moment.to(weight), second_moment, rank, damping)
 

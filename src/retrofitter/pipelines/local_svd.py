@@ -4,6 +4,9 @@ Each target W [d', d] with input second moment C (float64) becomes a ``LatentLin
 rank r from the weighted SVD of W P (P from C by ``config.preconditioner``, design.md §3); with a
 bias, the fit uses the centered C0 = C − μμᵀ and the bias is compensated, b̂ = b + (W − BA)μ.
 
+With ``statistics="teacher_target"`` each fit reproduces the *original* model's output W x_t from the
+compressed model's input x_c instead (linalg/teacher_target.py; :func:`fit_teacher_target`).
+
 Where the statistics come from (``CompressConfig.refit_within_layer``):
 * ``False`` — one pass of the original layer gives the input moments of every projection group;
 * ``True`` — group by group in execution order (q/k/v, o, gate/up, down), each group's input moments
@@ -13,14 +16,16 @@ Where the statistics come from (``CompressConfig.refit_within_layer``):
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..linalg.moments import SecondMomentAccumulator
 from ..linalg.svd import bias_compensation, build_preconditioner, proxy_error, weighted_svd
+from ..linalg.teacher_target import teacher_target_factors, teacher_target_map
 from ..modules.latent_linear import LatentLinear
 from .sequential import LayerContext
 
-__all__ = ["LocalSVDStrategy", "fit_local", "entry"]
+__all__ = ["LocalSVDStrategy", "fit_local", "fit_teacher_target", "entry"]
 
 
 def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumulator,
@@ -56,6 +61,30 @@ def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumul
     context.replace(name, replacement, entry(linear, replacement, proxy_error(linear.weight, B, A, moment), **extra))
 
 
+def fit_teacher_target(context: LayerContext, name: str, statistics: tuple) -> None:
+    """Replace projection ``name`` by its rank-``plan`` fit of the teacher's output W x_t from the compressed
+    input x_c (linalg/teacher_target.py); ``statistics`` = (C_cc accumulator, mean of x_t, E[x_t x_cᵀ]).
+
+    With a bias both streams are centered (Cov(x_c), Cov(x_t, x_c)) and b̂ = b + W μ_t − B A μ_c.
+    """
+    config, linear = context.config, context.linear(name)
+    moment_c, mean_t, cross = statistics
+    rank = context.plan[(context.index, name)]
+    has_bias = linear.bias is not None
+    moment = moment_c.covariance() if has_bias else moment_c.second_moment
+    cross_moment = cross.cross_moment - torch.outer(mean_t, moment_c.mean) if has_bias else cross.cross_moment
+    B, A = teacher_target_factors(linear.weight, cross_moment, moment, rank, config.damping, config.preconditioner)
+    bias = None
+    if has_bias:
+        weight = linear.weight.detach().to(torch.float64)
+        bias = linear.bias.detach().to(weight) + weight @ mean_t.to(weight) - B @ (A @ moment_c.mean.to(weight))
+    replacement = LatentLinear.from_factors(B, A, bias=bias, junction=config.junction, dtype=linear.weight.dtype,
+                                            device=linear.weight.device)
+    target = teacher_target_map(linear.weight, cross_moment, moment, config.damping)
+    context.replace(name, replacement, entry(linear, replacement, proxy_error(target, B, A, moment),
+                                             method="teacher_target"))
+
+
 def entry(linear: nn.Module, replacement: LatentLinear, error: float, **extra) -> dict:
     """The report entry of one replaced projection."""
     return {"rank": replacement.rank, "in": linear.in_features, "out": linear.out_features,
@@ -82,16 +111,22 @@ class LocalSVDStrategy:
             for group, _ in groups:
                 for name in group:
                     fit_local(context, name, context.precomputed[name], preconditioners, self.svd_cache)
-        elif context.config.refit_within_layer:
-            for group, leader in groups:
-                accumulator = context.moments({leader: context.linear(leader)})[leader]
-                for name in group:
-                    fit_local(context, name, accumulator, preconditioners, self.svd_cache)
+            return
+        if context.config.statistics == "teacher_target":
+            collect, fit = context.paired_moments, fit_teacher_target
         else:
-            moments = context.moments({leader: context.linear(leader) for _, leader in groups})
+            collect = context.moments
+            fit = lambda ctx, name, stats: fit_local(ctx, name, stats, preconditioners, self.svd_cache)  # noqa: E731
+        if context.config.refit_within_layer:
+            for group, leader in groups:
+                statistics = collect({leader: context.linear(leader)})[leader]
+                for name in group:
+                    fit(context, name, statistics)
+        else:
+            statistics = collect({leader: context.linear(leader) for _, leader in groups})
             for group, leader in groups:
                 for name in group:
-                    fit_local(context, name, moments[leader], preconditioners, self.svd_cache)
+                    fit(context, name, statistics[leader])
 
     def finish(self, model: nn.Module, targets: list[str]) -> dict:
         return {}

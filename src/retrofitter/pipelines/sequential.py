@@ -19,6 +19,7 @@ Peak memory ≈ model + one layer's statistics + the calibration activations at 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from ..adapters import ModelAdapter, adapter_for
 from ..adapters.mlp_permutation import lead_mlp_pivots
 from ..config import CompressConfig
 from ..eval.resources import current_rss_mb, peak_rss_mb
-from ..linalg.moments import SecondMomentAccumulator
+from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments
 from .diagnostics import calibration_diagnostics
@@ -64,6 +65,8 @@ class LayerContext:
     config: CompressConfig
     targets: list[str]
     stream: LayerStream | None = None  # inputs of this layer per calibration batch
+    teacher_stream: LayerStream | None = None  # statistics="teacher_target": the original model's inputs
+    teacher_layer: nn.Module | None = None  # statistics="teacher_target": a copy of the original layer
     precomputed: dict | None = None  # projection name -> SecondMomentAccumulator (instead of a stream)
     entries: dict = field(default_factory=dict)  # projection name -> report entry
     extra: dict = field(default_factory=dict)  # per-layer report fields of the strategy
@@ -100,6 +103,31 @@ class LayerContext:
             accumulator.check_finite(self.where(name))
         return accumulators
 
+    @torch.no_grad()
+    def paired_moments(self, modules: dict[str, nn.Module]) -> dict[str, tuple]:
+        """One paired pass (``statistics="teacher_target"``): per batch, the original layer on the teacher
+        stream and this layer on the stream; for each of ``modules`` (name -> module in this layer):
+        ``(C_cc accumulator of x_c, mean of x_t [d], CrossMomentAccumulator E[x_t x_cᵀ])``."""
+        self.passes += 1
+        stats = {name: (SecondMomentAccumulator(m.in_features, device=_device(self.layer)),
+                        CrossMomentAccumulator(m.in_features, m.in_features, device=_device(self.layer)),
+                        torch.zeros(m.in_features, dtype=torch.float64, device=_device(self.layer)))
+                 for name, m in modules.items()}
+        teacher_modules = {name: self.adapter.get_linear(self.teacher_layer, name) for name in modules}
+        for h_c, h_t, kwargs in zip(self.stream.hidden, self.teacher_stream.hidden, self.stream.layer_kwargs):
+            inputs_c = _captured_inputs(self.layer, modules, h_c, kwargs)
+            inputs_t = _captured_inputs(self.teacher_layer, teacher_modules, h_t, kwargs)
+            for name, (moment, cross, sum_t) in stats.items():
+                moment.update(inputs_c[name])
+                cross.update(inputs_t[name], inputs_c[name])
+                sum_t += inputs_t[name].reshape(-1, sum_t.shape[0]).to(torch.float64).sum(0)
+        result = {}
+        for name, (moment, cross, sum_t) in stats.items():
+            moment.check_finite(self.where(name))
+            cross.check_finite(self.where(name))
+            result[name] = (moment, sum_t / cross.count, cross)
+        return result
+
     def run(self) -> None:
         """One pass of the layer over the stream, for the forward hooks the caller registered."""
         self.passes += 1
@@ -120,6 +148,28 @@ class LayerStrategy(Protocol):
     def fit_layer(self, context: LayerContext) -> None: ...
 
     def finish(self, model: nn.Module, targets: list[str]) -> dict: ...
+
+
+def _device(layer: nn.Module) -> torch.device:
+    return next(layer.parameters()).device
+
+
+def _captured_inputs(layer: nn.Module, modules: dict[str, nn.Module], hidden: torch.Tensor, kwargs: dict) -> dict:
+    """name -> the input of each of ``modules`` when ``layer`` runs on ``hidden`` (one batch)."""
+    captured: dict = {}
+
+    def hook(name):
+        def record(_module, args, _output) -> None:  # returns None: the module's output stays as it is
+            captured.setdefault(name, args[0].detach())
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    try:
+        layer(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
 
 
 def target_names(adapter: ModelAdapter, config: CompressConfig) -> list[str]:
@@ -173,11 +223,13 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
     check_compressible(model, adapter, targets, calibration)
     model.eval()
     timings = {"capture": 0.0, "allocation": 0.0, "fit": 0.0, "propagation": 0.0}
-    stream, diagnostics = None, None
+    stream, teacher_stream, diagnostics = None, None, None
     if calibration is not None:
         t0 = time.perf_counter()
         stream = capture_stream(model, adapter, calibration, config.batch_size)
         diagnostics = calibration_diagnostics(calibration, stream)
+        if config.statistics == "teacher_target":  # one more activation buffer: the original model's stream
+            teacher_stream = stream.clone()
         timings["capture"] = time.perf_counter() - t0
     rss_after_capture = current_rss_mb()
     t0 = time.perf_counter()
@@ -189,7 +241,7 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
         run_dir = RunDirectory(checkpoint_dir, fingerprint(config.to_dict(), calibration,
                                                            str(getattr(model, "name_or_path", "")),
                                                            model.config.to_dict()))
-        first, reports, stream = _restore(run_dir, model, adapter, stream, config)
+        first, reports, stream, teacher_stream = _restore(run_dir, model, adapter, stream, teacher_stream, config)
         if first:
             log.info("resuming compression after layer %d from %s", first - 1, run_dir.path)
 
@@ -197,7 +249,9 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                initial=first, total=len(layers))
     for index in bar:
         layer_start = time.perf_counter()
+        teacher_layer = copy.deepcopy(layers[index]) if teacher_stream is not None else None
         context = LayerContext(adapter, model, layers[index], index, plan, config, targets, stream=stream,
+                               teacher_stream=teacher_stream, teacher_layer=teacher_layer,
                                precomputed=None if precomputed is None else precomputed[index])
         strategy.fit_layer(context)
         timings["fit"] += time.perf_counter() - layer_start
@@ -210,6 +264,9 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                 stream = context.teacher_outputs
             else:
                 stream = stream.advance(layers[index])
+            if teacher_stream is not None:
+                teacher_stream = teacher_stream.advance(teacher_layer)
+        del teacher_layer  # the copy of the original layer: one layer of memory at a time
         timings["propagation"] += time.perf_counter() - t0
         # RSS after each layer: with the process peak it locates where compression holds its memory
         reports.append({"layer": index, "seconds": time.perf_counter() - layer_start, "matrices": context.entries,
@@ -219,7 +276,7 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                  reports[-1]["seconds"])
         bar.set_postfix(proxy=f"{mean_error:.3f}")
         if run_dir is not None:
-            _save_layer(run_dir, index, layers[index], stream, reports)
+            _save_layer(run_dir, index, layers[index], stream, teacher_stream, reports)
     bar.close()
     pivoted = lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
     finished = strategy.finish(model, targets)
@@ -249,17 +306,21 @@ def summarize(config: CompressConfig, layer_reports: list[dict], timings: dict) 
     }
 
 
-def _save_layer(run_dir: RunDirectory, index: int, layer: nn.Module, stream: LayerStream, reports: list) -> None:
+def _save_layer(run_dir: RunDirectory, index: int, layer: nn.Module, stream: LayerStream,
+                teacher_stream: LayerStream | None, reports: list) -> None:
     run_dir.save_tensors(f"layer_{index}", layer.state_dict())
     run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
+    if teacher_stream is not None:
+        run_dir.save_tensors("teacher_stream", {f"batch_{i}": h for i, h in enumerate(teacher_stream.hidden)})
     run_dir.save_progress({"layers_done": index + 1, "reports": reports})
 
 
-def _restore(run_dir: RunDirectory, model, adapter, stream: LayerStream, config) -> tuple[int, list, LayerStream]:
-    """Finished layers rebuilt from the work directory, and the stream at the next boundary."""
+def _restore(run_dir: RunDirectory, model, adapter, stream: LayerStream, teacher_stream: LayerStream | None,
+             config) -> tuple[int, list, LayerStream, LayerStream | None]:
+    """Finished layers rebuilt from the work directory, and the stream(s) at the next boundary."""
     state = run_dir.load_progress()
     if state is None:
-        return 0, [], stream
+        return 0, [], stream, teacher_stream
     layers = adapter.decoder_layers(model)
     for index in range(state["layers_done"]):
         layer = layers[index]
@@ -269,6 +330,12 @@ def _restore(run_dir: RunDirectory, model, adapter, stream: LayerStream, config)
                                                          bias=linear.bias is not None, dtype=linear.weight.dtype,
                                                          device=linear.weight.device))
         layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
-    saved = run_dir.load_tensors("stream")
-    hidden = [saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)]
-    return state["layers_done"], state["reports"], LayerStream(hidden, stream.layer_kwargs, stream.token_count)
+    streams = []
+    for name, current in (("stream", stream), ("teacher_stream", teacher_stream)):
+        if current is None:
+            streams.append(None)
+            continue
+        saved = run_dir.load_tensors(name)
+        hidden = [saved[f"batch_{i}"].to(h) for i, h in enumerate(current.hidden)]
+        streams.append(LayerStream(hidden, current.layer_kwargs, current.token_count))
+    return state["layers_done"], state["reports"], *streams
