@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import lzma
 import struct
 import zipfile
 import zlib
@@ -84,19 +85,29 @@ class Xdr:
         return cls.pairlist([(names_symbol, cls.strsxp(names))])
 
 
-def write_lazyload_db(base: Path, objects: dict[str, list[str | None]]) -> Path:
-    """Write ``base``.rdb/.rdx holding character vectors, laid out like R's makeLazyLoadDB."""
+def lazyload_record(payload: bytes, codec: bytes | None = None) -> bytes:
+    """One .rdb record: 4-byte big-endian size, then zlib (codec None) or a type byte and that codec's stream."""
+    compressors = {b"0": bytes, b"1": zlib.compress, b"2": bz2.compress, b"Z": lzma.compress}
+    body = zlib.compress(payload) if codec is None else codec + compressors[codec](payload)
+    return struct.pack(">I", len(payload)) + body
+
+
+def write_lazyload_db(base: Path, objects: dict[str, list[str | None]], codec: bytes | None = None) -> Path:
+    """Write ``base``.rdb/.rdx holding character vectors, laid out like R's makeLazyLoadDB.
+
+    ``codec`` None: ``compressed = TRUE`` (zlib records); else ``compressed = 3`` and that type byte.
+    """
     base.parent.mkdir(parents=True, exist_ok=True)
     rdb, positions = b"", {}
     for name, lines in objects.items():
-        payload = Xdr.header() + Xdr.strsxp(lines)
-        record = struct.pack(">I", len(payload)) + zlib.compress(payload)
+        record = lazyload_record(Xdr.header() + Xdr.strsxp(lines), codec)
         positions[name] = (len(rdb), len(record))
         rdb += record
     # The first "names" is a SYMSXP (reference 1), later ones point back to it with REFSXP.
     variables = Xdr.vecsxp([Xdr.intsxp(list(position)) for position in positions.values()],
                            Xdr.names_attribute(list(positions), Xdr.symsxp("names")))
-    index = Xdr.vecsxp([variables, Xdr.vecsxp([]), Xdr.lglsxp([True])],
+    compressed = Xdr.lglsxp([True]) if codec is None else Xdr.realsxp([3.0])
+    index = Xdr.vecsxp([variables, Xdr.vecsxp([]), compressed],
                        Xdr.names_attribute(["variables", "references", "compressed"], Xdr.ref(1)))
     base.with_suffix(".rdb").write_bytes(rdb)
     base.with_suffix(".rdx").write_bytes(gzip.compress(Xdr.header() + index))
@@ -148,6 +159,11 @@ def xdr():
 @pytest.fixture
 def lazyload_db_writer():
     return write_lazyload_db
+
+
+@pytest.fixture
+def lazyload_record_writer():
+    return lazyload_record
 
 
 @pytest.fixture

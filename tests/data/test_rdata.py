@@ -1,83 +1,93 @@
-"""The pure-Python R serialization reader on hand-written XDR bytes."""
+"""The lazy-load framing (.rdx index -> offsets in .rdb -> compressed records) around the rdata parser.
+
+Payloads are written by the hand-made XDR writer in conftest (it mirrors R's serialize.c), so
+the parser is checked on bytes it did not produce itself.
+"""
 
 from __future__ import annotations
 
-import math
-import struct
-import zlib
+import gzip
 
+import numpy as np
 import pytest
 
-from retrofitter.data.rdata import (RDataError, RObject, RSymbol, parse_serialized, read_lazyload_db,
-                                    read_lazyload_index, read_lazyload_object)
+from retrofitter.data.rdata import (RDataError, character_vector, parse_serialized, read_lazyload_db,
+                                    read_lazyload_index, read_lazyload_object, read_lazyload_record)
+
+NOVELS = {"emma": ["EMMA", "", "Emma Woodhouse, handsome,", None, "clever"], "persuasion": ["Sir Walter", "café"]}
 
 
-def test_strsxp_with_na_and_latin1(xdr):
-    data = xdr.header() + xdr.flags(16) + struct.pack(">i", 3) + xdr.charsxp("Emma") + xdr.charsxp(None) \
-        + xdr.charsxp("café", levels=1 << 2, encoding="latin-1")
-    value = parse_serialized(data)
-    assert isinstance(value, RObject) and value.sexptype == "STRSXP"
-    assert value.values == ["Emma", None, "café"]
+def _values(objects):
+    return {name: character_vector(value, name) for name, value in objects.items()}
 
 
-def test_named_vecsxp_and_refsxp_reuse_the_symbol(xdr):
-    # list(a = c(7L, NA), b = list(x = "s")). A VECSXP's attributes follow its elements, so in stream
-    # order the inner list's "names" is the first SYMSXP (reference 1); the outer names point back to it.
-    inner = xdr.vecsxp([xdr.strsxp(["s"])], xdr.names_attribute(["x"], xdr.symsxp("names")))
-    outer = xdr.vecsxp([xdr.intsxp([7, None]), inner], xdr.names_attribute(["a", "b"], xdr.ref(1)))
-    value = parse_serialized(xdr.header() + outer)
-    assert value.names == ["a", "b"]
-    named = value.as_dict()
-    assert named["a"].values == [7, None]
-    assert named["b"].as_dict()["x"].values == ["s"]
-
-
-def test_pairlist_tags_reals_logicals_and_version_2(xdr):
-    cells = [(xdr.symsxp("pi"), xdr.realsxp([math.pi, float("inf")])),
-             (xdr.symsxp("flags"), xdr.lglsxp([True, False, None])),
-             (None, xdr.nil()),
-             (xdr.ref(1), xdr.symsxp("z"))]
-    value = parse_serialized(xdr.header(version=2) + xdr.pairlist(cells))
-    assert value.sexptype == "LISTSXP"
-    assert value.tags == ["pi", "flags", None, "pi"]
-    assert value.values[0].values == [math.pi, float("inf")]
-    assert value.values[1].values == [True, False, None]
-    assert value.values[2] is None
-    assert value.values[3] == RSymbol("z")
-
-
-def test_unsupported_type_names_the_object(xdr):
-    environment = xdr.flags(4) + b"\x00" * 16  # ENVSXP
-    with pytest.raises(RDataError, match=r"'emma'.*unsupported SEXP type 4 \(ENVSXP\)"):
-        parse_serialized(xdr.header() + environment, context="emma")
-
-
-def test_bad_reference_and_truncation_and_format(xdr):
-    with pytest.raises(RDataError, match="REFSXP index 3 outside the reference table"):
-        parse_serialized(xdr.header() + xdr.ref(3), context="obj")
-    with pytest.raises(RDataError, match="truncated"):
-        parse_serialized((xdr.header() + xdr.strsxp(["abcdef"]))[:-3], context="obj")
-    with pytest.raises(RDataError, match="only the XDR"):
-        parse_serialized(b"A\n1\n", context="obj")
-    with pytest.raises(RDataError, match="version 4"):
-        parse_serialized(b"X\n" + struct.pack(">iii", 4, 0, 0), context="obj")
-
-
-def test_lazyload_database_roundtrip(tmp_path, lazyload_db_writer):
-    novels = {"emma": ["EMMA", "", "Emma Woodhouse, handsome,", None, "clever"], "persuasion": ["Sir Walter"]}
-    base = lazyload_db_writer(tmp_path / "data" / "Rdata", novels)
+def test_index_maps_names_to_consecutive_records(tmp_path, lazyload_db_writer):
+    base = lazyload_db_writer(tmp_path / "data" / "Rdata", NOVELS)
     index = read_lazyload_index(base.with_suffix(".rdx"))
-    assert sorted(index) == ["emma", "persuasion"]
-    objects = read_lazyload_db(base)
-    assert {name: value.values for name, value in objects.items()} == novels
-    with pytest.raises(RDataError, match=r"no object\(s\) \['mansfieldpark'\]"):
+    assert index.compressed == 1
+    (emma_offset, emma_length), (persuasion_offset, persuasion_length) = index.variables.values()
+    assert list(index.variables) == ["emma", "persuasion"]
+    assert emma_offset == 0 and persuasion_offset == emma_length
+    assert persuasion_offset + persuasion_length == base.with_suffix(".rdb").stat().st_size
+
+
+@pytest.mark.parametrize("codec", [None, b"0", b"1", b"2", b"Z"])
+def test_database_roundtrip_for_each_record_codec(tmp_path, lazyload_db_writer, codec):
+    base = lazyload_db_writer(tmp_path / "Rdata", NOVELS, codec=codec)
+    assert read_lazyload_index(base.with_suffix(".rdx")).compressed == (1 if codec is None else 3)
+    assert _values(read_lazyload_db(base)) == NOVELS
+    assert _values(read_lazyload_db(base, ["persuasion"])) == {"persuasion": NOVELS["persuasion"]}
+    with pytest.raises(RDataError, match=r"no object\(s\) \['mansfieldpark'\]; it has \['emma', 'persuasion'\]"):
         read_lazyload_db(base, ["mansfieldpark"])
 
 
-def test_lazyload_record_checks_size_and_compression(xdr):
+def test_record_is_checked_against_its_size_header(xdr, lazyload_record_writer):
     payload = xdr.header() + xdr.strsxp(["x"])
-    record = struct.pack(">I", len(payload) + 1) + zlib.compress(payload)
-    with pytest.raises(RDataError, match="'obj'.*header says"):
-        read_lazyload_object(record, 0, len(record), "obj")
-    with pytest.raises(RDataError, match="outside the .rdb"):
-        read_lazyload_object(record, 10, len(record), "obj")
+    record = lazyload_record_writer(payload)
+    assert read_lazyload_record(b"pad" + record, 3, len(record), 1, "obj") == payload
+    assert read_lazyload_object(record, 0, len(record), 1, "obj").tolist() == ["x"]
+    short = record[:3] + bytes([record[3] + 1]) + record[4:]  # header says one byte more
+    with pytest.raises(RDataError, match=r"'obj'.*\d+ bytes, header says \d+"):
+        read_lazyload_record(short, 0, len(short), 1, "obj")
+    with pytest.raises(RDataError, match=r"'obj'.*outside the \.rdb"):
+        read_lazyload_record(record, 10, len(record), 1, "obj")
+    with pytest.raises(RDataError, match="'obj': cannot decompress"):
+        read_lazyload_record(record[:-4], 0, len(record) - 4, 1, "obj")
+
+
+def test_record_codec_must_match_the_index(xdr, lazyload_record_writer):
+    payload = xdr.header() + xdr.strsxp(["x"])
+    typed = lazyload_record_writer(payload, b"2")
+    assert read_lazyload_record(typed, 0, len(typed), 2, "obj") == payload
+    with pytest.raises(RDataError, match="'obj': cannot decompress"):  # a type byte where zlib is due
+        read_lazyload_record(typed, 0, len(typed), 1, "obj")
+    unknown = typed[:4] + b"7" + typed[5:]
+    with pytest.raises(RDataError, match=r"unsupported compression 3 \(record type byte b'7'\)"):
+        read_lazyload_record(unknown, 0, len(unknown), 3, "obj")
+
+
+def test_index_must_be_a_lazyload_index(tmp_path, xdr):
+    rdx = tmp_path / "Rdata.rdx"
+    rdx.write_bytes(gzip.compress(xdr.header() + xdr.strsxp(["not", "an", "index"])))
+    with pytest.raises(RDataError, match="Rdata.rdx is not a lazy-load index"):
+        read_lazyload_index(rdx)
+    variables = xdr.vecsxp([xdr.intsxp([0, 10, 20])], xdr.names_attribute(["emma"], xdr.symsxp("names")))
+    index = xdr.vecsxp([variables, xdr.lglsxp([True])], xdr.names_attribute(["variables", "compressed"], xdr.ref(1)))
+    rdx.write_bytes(gzip.compress(xdr.header() + index))
+    with pytest.raises(RDataError, match=r"entry 'emma' is not c\(offset, length\)"):
+        read_lazyload_index(rdx)
+
+
+def test_malformed_serialization_names_the_object(xdr):
+    with pytest.raises(RDataError, match="while reading R object 'emma': NotImplementedError: .*version 4"):
+        parse_serialized(b"X\n" + b"\x00\x00\x00\x04" + bytes(8), context="emma")
+    with pytest.raises(RDataError, match="while reading R object 'emma'"):
+        parse_serialized(xdr.header() + xdr.flags(4), context="emma")  # an environment with no payload
+
+
+def test_character_vector_accepts_only_character_vectors():
+    assert character_vector(np.array(["a", None], dtype=object), "x") == ["a", None]
+    with pytest.raises(RDataError, match=r"R object 'x' should be a character vector, found int32 array"):
+        character_vector(np.array([1, 2], dtype=np.int32), "x")
+    with pytest.raises(RDataError, match="found dict"):
+        character_vector({"a": 1}, "x")

@@ -6,8 +6,13 @@ import time
 
 import pytest
 
-from retrofitter.data.cache import read_manifest
+from retrofitter.data.cache import read_manifest, sha256_file
 from retrofitter.data.fetch import fetch
+
+# The corpora every published figure was measured on (r-cran-janeaustenr 1.0.0-1, gensim 4.4.0's dump).
+CORPUS_SHA256 = {"austen": "bf5c1d6389871025b6e18e1aaa699065619552e08c41934e020f4406d0c8debe",
+                 "wiki-calib": "8c4ef7dad76f7674448df3d978bd15900c6fd7963504cc3fb9b234c4722a750e",
+                 "wiki-eval": "6a58fbb3d67cb1c722fe521e1a9689afa9b599a126d3774855eba69a6eb84fc4"}
 
 
 def _titles(path):
@@ -26,6 +31,9 @@ def test_real_corpora_fetch(isolated_cache):
     calib_titles, eval_titles = _titles(paths["wiki-calib"]), _titles(paths["wiki-eval"])
     assert len(calib_titles) == wiki_stats["wiki-calib"]["articles"] and len(eval_titles) == wiki_stats["wiki-eval"]["articles"]
     assert eval_titles and not calib_titles & eval_titles
+    assert {name: sha256_file(path) for name, path in paths.items()} == CORPUS_SHA256
+    recorded = {record["path"]: record["sha256"] for item in ("wiki", "austen") for record in read_manifest(item)["files"]}
+    assert recorded == {f"corpora/{name}.txt": sha256 for name, sha256 in CORPUS_SHA256.items()}
     started = time.perf_counter()
     assert fetch(["wiki", "austen"], progress=False) == paths
     assert time.perf_counter() - started < 1.0  # second fetch only checks manifests

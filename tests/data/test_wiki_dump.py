@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from retrofitter.data import packages, wiki
-from retrofitter.data.cache import read_manifest
+from retrofitter.data.cache import read_manifest, sha256_file
 from retrofitter.data.packages import FetchError
 from retrofitter.data.wiki import fetch_wiki, is_eval_title, read_articles, split_articles
 
@@ -77,3 +77,20 @@ def test_fetch_wiki_reports_a_corrupt_dump(monkeypatch, isolated_cache, fake_whe
     monkeypatch.setattr(packages, "pip_download", _fake_pip([], fake_wheel_writer, wiki.WIKI_SOURCE.member, b"not bz2"))
     with pytest.raises(FetchError, match="fetching wiki from package gensim==4.4.0 failed: cannot parse"):
         fetch_wiki(progress=False)
+
+
+def test_fetch_wiki_checks_the_pinned_corpus_of_a_known_dump(tmp_path, monkeypatch, isolated_cache, wiki_dump_writer,
+                                                             pages_factory, fake_wheel_writer):
+    dump = wiki_dump_writer(tmp_path / "dump.bz2", pages_factory(30)).read_bytes()
+    monkeypatch.setattr(wiki, "WIKI_SOURCE", dataclasses.replace(wiki.WIKI_SOURCE, sha256=None))
+    monkeypatch.setattr(packages, "pip_download", _fake_pip([], fake_wheel_writer, wiki.WIKI_SOURCE.member, dump))
+    paths = fetch_wiki(progress=False)  # this dump is not a known one: its corpus is not checked
+    dump_sha = read_manifest("wiki")["sources"][0]["sha256"]
+    built = {name: sha256_file(path) for name, path in paths.items()}
+    monkeypatch.setattr(wiki, "WIKI_TEXT_SHA256", {dump_sha: {**built, "wiki-eval": "0" * 64}})
+    with pytest.raises(FetchError, match=f"wiki-eval built from the dump has sha256 {built['wiki-eval']}, "
+                                         f"expected {'0' * 64}: the cleaning changed"):
+        fetch_wiki(progress=False, force=True)
+    assert {name: sha256_file(path) for name, path in paths.items()} == built
+    monkeypatch.setattr(wiki, "WIKI_TEXT_SHA256", {dump_sha: built})
+    assert fetch_wiki(progress=False, force=True) == paths

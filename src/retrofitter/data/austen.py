@@ -5,6 +5,10 @@ Gutenberg texts). Each novel is a character vector of lines inside the package's
 data base ``janeaustenr/data/Rdata.rdb``; :mod:`retrofitter.data.rdata` reads it without R.
 Lines are joined into paragraphs (a blank line ends a paragraph), paragraphs are separated by
 one blank line, novels by one blank line too, in publication order.
+
+The text built from a known ``Rdata.rdb`` is pinned by its sha256 (``AUSTEN_TEXT_SHA256``): every
+Austen figure was measured on it, so a reader change that alters it fails the fetch instead of
+silently changing the corpus.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from . import packages
 from .cache import atomic_write_text, corpora_dir, item_lock, manifest_is_complete, scratch_dir, sha256_bytes, write_manifest
 from .packages import FetchError, report
-from .rdata import RDataError, RObject, read_lazyload_db
+from .rdata import RDataError, character_vector, read_lazyload_db
 
 AUSTEN_ITEM = "austen"
 AUSTEN_PACKAGE = "r-cran-janeaustenr"
@@ -25,6 +30,11 @@ AUSTEN_PACKAGE = "r-cran-janeaustenr"
 AUSTEN_DB_RELATIVE = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 # Publication order.
 AUSTEN_NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+# sha256 of austen.txt, by sha256 of the Rdata.rdb it is read from (r-cran-janeaustenr 1.0.0-1).
+AUSTEN_TEXT_SHA256 = {
+    "8fb5198960d0da724b1562f96e4221e5c1b41ff455000280b02c55980c3d8f21":
+        "bf5c1d6389871025b6e18e1aaa699065619552e08c41934e020f4406d0c8debe",
+}
 # Gutenberg marks italics as _word_; the underscores are typography, not text.
 _ITALIC_MARK = re.compile(r"_")
 _SPACES = re.compile(r"\s+")
@@ -49,15 +59,11 @@ def lines_to_paragraphs(lines: list[str | None]) -> list[str]:
     return paragraphs
 
 
-def novels_to_text(novels: dict[str, RObject]) -> tuple[str, dict[str, int]]:
-    """Text of the novels in AUSTEN_NOVELS order and the word count of each."""
+def novels_to_text(novels: dict[str, Any]) -> tuple[str, dict[str, int]]:
+    """Text of the novels (character vectors of lines) in AUSTEN_NOVELS order and the word count of each."""
     blocks, word_counts = [], {}
     for name in AUSTEN_NOVELS:
-        novel = novels[name]
-        if not isinstance(novel, RObject) or novel.sexptype != "STRSXP":
-            found = novel.sexptype if isinstance(novel, RObject) else type(novel).__name__
-            raise RDataError(f"R object {name!r} should be a character vector of lines, found {found}")
-        block = "\n\n".join(lines_to_paragraphs(novel.values))
+        block = "\n\n".join(lines_to_paragraphs(character_vector(novels[name], name)))
         word_counts[name] = len(block.split())
         blocks.append(block)
     return "\n\n".join(blocks) + "\n", word_counts
@@ -84,6 +90,10 @@ def fetch_austen(progress: bool = True, force: bool = False) -> Path:
             source_sha = {suffix: sha256_bytes(database.with_suffix(suffix).read_bytes()) for suffix in (".rdb", ".rdx")}
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        expected, actual = AUSTEN_TEXT_SHA256.get(source_sha[".rdb"]), sha256_bytes(text.encode("utf-8"))
+        if expected is not None and actual != expected:
+            raise FetchError(AUSTEN_ITEM, AUSTEN_PACKAGE, f"the text built from Rdata.rdb {source_sha['.rdb']} has "
+                             f"sha256 {actual}, expected {expected}: the reader changed, so would every Austen figure")
         atomic_write_text(target, text)
         stats = {"novels": word_counts, "words": sum(word_counts.values()),
                  "paragraphs": text.count("\n\n") + 1, "seconds": round(time.perf_counter() - started, 2)}

@@ -4,6 +4,9 @@ Source: the PyPI wheel ``gensim==4.4.0`` (not installed, only unzipped) ships a 
 Wikipedia dump excerpt as test data (~106 articles after redirects are skipped). Pages are
 streamed with ``xml.etree.ElementTree.iterparse`` from the bz2 file; redirects and pages
 outside the main namespace are skipped; markup is removed by :func:`clean_wikitext`.
+The bytes built from the pinned dump are pinned too (``WIKI_TEXT_SHA256``): every wiki figure
+was measured on them, so a fetch that builds anything else from that dump (a cleaner change, a
+parser release that behaves differently) fails instead of silently changing the corpus.
 
 Split rule (fixed, independent of the other articles in the dump):
 ``int(sha1(title), 16) % EVAL_MODULUS == 0`` → evaluation, otherwise calibration (≈ 1/5 eval).
@@ -22,7 +25,8 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from . import packages
-from .cache import atomic_write_text, corpora_dir, item_lock, manifest_is_complete, scratch_dir, sha256_file, write_manifest
+from .cache import (atomic_write_text, corpora_dir, item_lock, manifest_is_complete, scratch_dir, sha256_bytes,
+                    sha256_file, write_manifest)
 from .packages import FetchError, WheelMember, report
 from .wikitext import clean_wikitext
 
@@ -39,6 +43,11 @@ WIKI_SOURCE = WheelMember(
 WIKI_SPLITS = ("wiki-calib", "wiki-eval")
 EVAL_MODULUS = 5
 MAIN_NAMESPACE = "0"
+# sha256 of each split, by sha256 of the dump it is built from (other dumps are not checked).
+WIKI_TEXT_SHA256 = {
+    WIKI_SOURCE.sha256: {"wiki-calib": "8c4ef7dad76f7674448df3d978bd15900c6fd7963504cc3fb9b234c4722a750e",
+                         "wiki-eval": "6a58fbb3d67cb1c722fe521e1a9689afa9b599a126d3774855eba69a6eb84fc4"},
+}
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,14 @@ def fetch_wiki(progress: bool = True, force: bool = False, source: WheelMember |
         empty = [name for name, part in parts.items() if not part]
         if empty:
             raise FetchError(WIKI_ITEM, source.requirement, f"split(s) {empty} have no article ({len(articles)} in total)")
-        for name, part in parts.items():
-            atomic_write_text(targets[name], format_articles(part))
+        texts = {name: format_articles(part) for name, part in parts.items()}
+        for name, expected in WIKI_TEXT_SHA256.get(dump_sha256, {}).items():
+            actual = sha256_bytes(texts[name].encode("utf-8"))
+            if actual != expected:
+                raise FetchError(WIKI_ITEM, source.requirement, f"{name} built from the dump has sha256 {actual}, "
+                                 f"expected {expected}: the cleaning changed, so would every wiki figure")
+        for name, text in texts.items():
+            atomic_write_text(targets[name], text)
         stats = {name: {"articles": len(part), "words": sum(article.word_count for article in part)}
                  for name, part in parts.items()}
         stats["split_rule"] = f"int(sha1(title), 16) % {EVAL_MODULUS} == 0 -> wiki-eval"
