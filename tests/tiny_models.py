@@ -23,6 +23,26 @@ def _opt_config():
                                   do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0)
 
 
+def _gemma_common(**kw):
+    """Gemma specifics made visible at tiny size: a 6-token window (tests run longer sequences), a score
+    scale that is not 1/sqrt(head_dim), soft-caps small enough to bend tiny logits, tied embeddings."""
+    return _common(head_dim=8, query_pre_attn_scalar=12, sliding_window=6, tie_word_embeddings=True, **kw)
+
+
+def _gemma3_config():
+    return transformers.Gemma3TextConfig(**_gemma_common(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}))
+
+
+def _gpt_neox_config():
+    return transformers.GPTNeoXConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5,
+                                      use_parallel_residual=True, attention_bias=True, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0, tie_word_embeddings=False)
+
+
 # One row per supported model family: name -> tiny config. Adding a family to retrofitter = one adapter
 # file + one row here (every adapter/module test is parametrized over these rows).
 TINY_CONFIGS = {
@@ -31,6 +51,11 @@ TINY_CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**_common()),
     "qwen3": lambda: transformers.Qwen3Config(**_common(head_dim=8)),
     "opt": _opt_config,
+    "gemma2": lambda: transformers.Gemma2Config(**_gemma_common(attn_logit_softcapping=2.0,
+                                                                final_logit_softcapping=3.0)),
+    "gemma3": _gemma3_config,
+    "phi3": lambda: transformers.Phi3Config(**_common(sliding_window=8, partial_rotary_factor=0.75)),
+    "gpt_neox": _gpt_neox_config,
 }
 
 FAMILIES = list(TINY_CONFIGS)
@@ -52,11 +77,14 @@ def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
 
 
 def build_tiny_without_adapter(seed: int = 0, dtype=torch.float32):
-    """A tiny random GPT-NeoX causal LM: an architecture retrofitter has no adapter for (generic paths)."""
+    """A tiny random OLMo causal LM: an architecture retrofitter has no adapter for (generic paths).
+
+    2 layers, 4 heads of 8, untied 96 × 32 embeddings,
+    every matrix an nn.Linear."""
     torch.manual_seed(seed)
-    config = transformers.GPTNeoXConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48,
-                                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-                                        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config = transformers.OlmoConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 

@@ -107,7 +107,9 @@ def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, over
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the output gets the user's normal permissions
-        model.save_pretrained(tmp, safe_serialization=True)
+        # The module names as they are (no reverse key renaming: GPT-NeoX's lm_head would become embed_out,
+        # which this loader, reading safetensors directly, would not map back).
+        model.save_pretrained(tmp, safe_serialization=True, save_original_format=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         info = {"format_version": FORMAT_VERSION, "replacements": replaced, **metadata}

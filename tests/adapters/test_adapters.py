@@ -88,7 +88,7 @@ def test_family_facts_come_from_the_adapter_and_the_model(tiny_model):
     rotary = adapter.rotary_embedding_class(tiny_model)
     assert adapter.uses_rope == adapter.attention_layout(tiny_model).uses_rope == (rotary is not None)
     if rotary is not None:
-        assert rotary is type(tiny_model.model.rotary_emb)
+        assert rotary is type(tiny_model.get_submodule(adapter.rotary_path))
     # has_bias describes the real projections (Qwen2: q/k/v biases whatever config.attention_bias says)
     q = adapter.get_linear(adapter.decoder_layers(tiny_model)[0], "q")
     assert adapter.attention_layout(tiny_model).has_bias == (q.bias is not None)
@@ -98,10 +98,43 @@ def test_missing_capability_names_the_architectures_that_have_it():
     with pytest.raises(UnsupportedArchitectureError) as info:
         adapter_for(build_tiny("opt"), capability="linearize")
     assert "OPTForCausalLM" in str(info.value)
-    assert supported_architectures("linearize") == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                                     "Qwen3ForCausalLM"]
+    assert supported_architectures("linearize") == [
+        "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+        "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
     for name in supported_architectures("linearize"):
         assert name in str(info.value)
     assert supported_architectures("latent_attention") == supported_architectures()
     with pytest.raises(ValueError, match="unknown capability"):
         supported_architectures("teleport")
+
+
+def test_head_logits_are_the_model_logits(tiny_model, random_ids):
+    """The contract for chunked losses: head_logits(head_inputs) = the model's logits (Gemma 2: soft-capped)."""
+    adapter = adapter_for(tiny_model)
+    with torch.no_grad():
+        expected = tiny_model(random_ids, use_cache=False).logits
+        actual = adapter.head_logits(tiny_model, adapter.head_inputs(tiny_model, random_ids))
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_splitting_fused_projections_keeps_the_model_bit_identical(tiny_model, random_ids):
+    """Phi-3 / GPT-NeoX: decoder_layers splits qkv (gate_up) into parts in place, same function bit for bit."""
+    adapter = adapter_for(tiny_model)
+    with torch.no_grad():
+        before = tiny_model(random_ids, use_cache=False).logits
+        layers = adapter.decoder_layers(tiny_model)
+        layers = adapter.decoder_layers(tiny_model)  # idempotent
+        after = tiny_model(random_ids, use_cache=False).logits
+    assert torch.equal(before, after)
+    for fused in adapter.fused:
+        assert list(layers[0].get_submodule(fused.path).part_names) == list(fused.parts)
+
+
+def test_sliding_windows_are_per_layer():
+    gemma = build_tiny("gemma2")
+    adapter = adapter_for(gemma)
+    windows = [adapter.sliding_window(adapter.attention(layer)) for layer in adapter.decoder_layers(gemma)]
+    assert windows == [6, None]  # layer_types: sliding, full
+    phi3 = build_tiny("phi3")
+    assert {adapter_for(phi3).sliding_window(adapter_for(phi3).attention(layer))
+            for layer in adapter_for(phi3).decoder_layers(phi3)} == {8}

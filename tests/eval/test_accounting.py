@@ -108,7 +108,7 @@ def test_stored_bytes_equal_the_saved_safetensors(family, tmp_path):
 
 # ---- architectures without an adapter -----------------------------------------------------------------------
 def test_model_without_adapter_is_accounted_from_module_types_and_config():
-    model = build_tiny_without_adapter()  # GPT-NeoX: no adapter
+    model = build_tiny_without_adapter()  # OLMo: no adapter
     acc = account(model)
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]

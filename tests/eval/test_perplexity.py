@@ -63,7 +63,7 @@ def test_unsupported_architecture_falls_back_to_full_logits():
 
 
 def test_model_without_adapter_gets_its_perplexity_from_full_logits():
-    model = build_tiny_without_adapter()  # GPT-NeoX: no adapter
+    model = build_tiny_without_adapter()  # OLMo: no adapter
     blocks = torch.randint(3, TINY_VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         log_probs = torch.log_softmax(model(blocks).logits.double(), dim=-1)

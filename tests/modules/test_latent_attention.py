@@ -131,3 +131,39 @@ def test_dense_cache_layer_is_refused():
     cache.update(torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), 0)
     with pytest.raises(ValueError, match="cannot hold latents"):
         model(ids(1, 2), cache=cache, use_cache=True)
+
+
+def test_sliding_latent_cache_keeps_the_window_and_its_positions():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from retrofitter.adapters.latent_cache import LatentSlidingWindowCacheLayer, latent_cache_layer
+
+    class Cache:  # the part of a DynamicCache that latent_cache_layer reads
+        layers = [DynamicSlidingWindowLayer(sliding_window=4)]
+
+    cache = Cache()
+    slot = latent_cache_layer(cache, 0)
+    assert isinstance(slot, LatentSlidingWindowCacheLayer) and cache.layers[0] is slot and slot.sliding_window == 4
+    z = torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 6, 3)
+    positions = torch.arange(6, dtype=torch.int32)[None]
+    keys, values, seen = slot.update_latent(z, z[..., :2], positions)  # prefill: every token visible
+    assert keys.shape == (2, 6, 3) and values.shape == (2, 6, 2) and seen.tolist() == [list(range(6))] * 2
+    assert slot.keys.shape[-2] == 3 and slot.positions.tolist() == [[3, 4, 5]] * 2  # window − 1 kept
+    keys, _, seen = slot.update_latent(z[:, :1], z[:, :1, :2], torch.tensor([[6]], dtype=torch.int32))
+    assert keys.shape[1] == 4 and seen.tolist() == [[3, 4, 5, 6]] * 2 and slot.get_seq_length() == 7
+    slot.batch_select_indices(torch.tensor([1]))
+    assert slot.keys.shape[0] == 1 and slot.positions.shape == (1, 3)
+    slot.reset()
+    assert slot.positions is None and slot.get_seq_length() == 0
+
+
+def test_partial_rotary_rotates_the_first_dims_like_gpt_neox():
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+    from retrofitter.modules.latent_attention import rotate_half_rope
+
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    angles = torch.randn(2, 5, 2, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [b, n, 4]: half of dh
+    expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(rotate_half_rope(x, cos, sin), expected, rtol=0, atol=0)

@@ -16,7 +16,24 @@ are and how they are wired, so that pipelines can stay generic (design.md §1, g
   empty path: no RoPE), ``attention_output_name``: the output projection's name inside the attention
   module (derived from ``linear_paths["o"]``);
 * capability flags: ``linearizable`` (hybrid attention, ``adapters.hybrid_attention``) and
-  ``latent_attention`` (latent k/v cache, ``adapters.latent_attention``).
+  ``latent_attention`` (latent k/v cache, ``adapters.latent_attention``);
+* optional family facts (defaults fit Llama): ``fused`` (fused projections such as Phi-3's ``qkv_proj``
+  or GPT-NeoX's ``query_key_value``, split into named parts, ``FusedLayout``), ``rotary_takes_layer_type``
+  (Gemma 3: one rotary table per layer type), ``logit_softcap_attr`` (Gemma 2: tanh soft-capping of
+  the LM-head logits), ``cache_kwarg`` (the name under which the decoder layer hands the cache to its
+  attention: ``cache``, GPT-NeoX ``layer_past``).
+
+Per-layer inputs. Families with several ``config.layer_types`` (Gemma 2/3: sliding and global layers)
+give each decoder layer its own mask (and Gemma 3 its own rotary table). ``capture_first_layer_inputs``
+then returns those keyword arguments as ``PerLayer`` values and installs on every decoder layer a
+forward pre-hook that picks the layer's own value, so ``layer(hidden, **kwargs)`` stays right for any
+layer (pipelines/calibration.py calls every layer with the same kwargs); see ``adapters.layer_inputs``.
+
+Fused projections. An adapter with ``fused`` describes the model *after* the split: its linear paths
+name the parts (``attention.query_key_value.q``). ``decoder_layers(model)`` performs the split on
+first use, in place (``modules.fused_projection.FusedProjection``; bit-identical while the parts are
+dense), so every pipeline sees separate q/k/v (gate/up) projections; the split is saved and rebuilt
+like any other replacement (``adapters.replacements``).
 
 Adding a model family = one adapter file (a ``ModelAdapter`` instance) + its entry in
 ``adapters.registry.FAMILY_ADAPTERS`` + one row in the tiny-model test table (tests/tiny_models.py).
@@ -30,7 +47,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["AttentionLayout", "ModelAdapter"]
+from ..modules.fused_projection import FusedProjection
+from .layer_inputs import PerLayer, capture_layer_inputs
+
+__all__ = ["AttentionLayout", "FusedLayout", "ModelAdapter", "PerLayer"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,21 @@ class AttentionLayout:
     def kv_group_size(self) -> int:
         """Query heads per key/value head."""
         return self.n_heads // self.n_kv_heads
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """A fused ``nn.Linear`` of every decoder layer, split into named parts (``FusedProjection``).
+
+    ``path``: the fused module inside a layer; ``parts``: the part names, in the fused order;
+    ``widths(config)``: each part's output width; ``groups(config)``: interleaved groups (1 = plain
+    concatenation [part_1; part_2; ...], GPT-NeoX's per-head [q_h k_h v_h]: the number of heads).
+    """
+
+    path: str
+    parts: tuple[str, ...]
+    widths: Callable[[object], tuple[int, ...]]
+    groups: Callable[[object], int] = lambda config: 1
 
 
 @dataclass(frozen=True)
@@ -69,6 +104,10 @@ class ModelAdapter:
     linearizable: bool  # attention can be swapped for HybridSelfAttention (RoPE, q/k/v/o_proj)
     latent_attention: bool  # attention can be swapped for LatentAttention (latent k/v cache)
     final_projection_path: str = ""  # optional projection after the final norm (OPT's project_out)
+    fused: tuple[FusedLayout, ...] = ()  # fused projections split into parts (Phi-3, GPT-NeoX)
+    rotary_takes_layer_type: bool = False  # rotary forward(x, position_ids, layer_type) (Gemma 3)
+    logit_softcap_attr: str = ""  # config attribute c: logits = c·tanh(logits / c) (Gemma 2)
+    cache_kwarg: str = "cache"  # keyword under which the decoder layer passes the cache to attention
 
     # ---- family facts -----------------------------------------------------------------------
     @property
@@ -94,9 +133,45 @@ class ModelAdapter:
             return None
         return type(_get_path(model, self.rotary_path))
 
+    def attention_relative_path(self, name: str) -> str:
+        """Path of projection ``name`` inside the attention module (``q_proj``, ``query_key_value.q``)."""
+        prefix = f"{self.attention_path}."
+        path = self.linear_paths[name]
+        if not path.startswith(prefix):
+            raise ValueError(f"{self.family}: projection {name!r} ({path}) is not inside the attention module")
+        return path[len(prefix):]
+
+    def sliding_window(self, attention: nn.Module) -> int | None:
+        """The attention layer's own sliding window (None: global attention).
+
+        A per-layer ``sliding_window`` attribute (Gemma 2/3, Qwen2/3: None on global layers) wins over
+        the config's (Mistral, Phi-3: every layer slides when it is set).
+        """
+        if hasattr(attention, "sliding_window"):
+            window = attention.sliding_window
+        else:
+            window = getattr(getattr(attention, "config", None), "sliding_window", None)
+        return int(window) if window else None
+
     # ---- navigation -----------------------------------------------------------------------
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
-        return _get_path(model, self.decoder_path)
+        """The decoder layers; fused projections (``fused``) are split into their parts on first use."""
+        layers = _get_path(model, self.decoder_path)
+        if self.fused:
+            for layer in layers:
+                self._split_fused(layer, model.config)
+        return layers
+
+    def _split_fused(self, layer: nn.Module, config) -> None:
+        for fused in self.fused:
+            module = _get_path(layer, fused.path)
+            if isinstance(module, FusedProjection):
+                continue
+            if type(module) is not nn.Linear:
+                raise TypeError(f"{self.family}: {fused.path} is a {type(module).__name__}, expected the fused "
+                                f"nn.Linear of the original model")
+            widths = dict(zip(fused.parts, fused.widths(config)))
+            _set_path(layer, fused.path, FusedProjection.split(module, widths, fused.groups(config)))
 
     def attention(self, layer: nn.Module) -> nn.Module:
         return _get_path(layer, self.attention_path)
@@ -131,26 +206,13 @@ class ModelAdapter:
         position embeddings, ...) are what HF passes to every decoder layer, so any layer can be
         called later as ``layer(hidden_states, **layer_kwargs)`` with HF's own forward.
         """
-        captured: dict = {}
-
-        def grab(_module, args, kwargs):
-            captured["hidden"] = args[0] if args else kwargs.pop("hidden_states")
-            captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            raise _StopForward
-
-        first = self.decoder_layers(model)[0]
-        handle = first.register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            model(input_ids=input_ids, use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            handle.remove()
-        kwargs = captured["kwargs"]
+        layers = self.decoder_layers(model)
+        per_layer = len(set(getattr(model.config, "layer_types", None) or ())) > 1
+        hidden, kwargs = capture_layer_inputs(model, layers, input_ids, per_layer)
         kwargs.pop("cache", None)
         kwargs.pop("past_key_values", None)
         kwargs["use_cache"] = False
-        return captured["hidden"], kwargs
+        return hidden, kwargs
 
     def final_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Apply what follows the last decoder layer, up to (not including) the LM head."""
@@ -171,9 +233,18 @@ class ModelAdapter:
         """
         return model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
 
+    def head_logits(self, model: nn.Module, head_inputs: torch.Tensor) -> torch.Tensor:
+        """The model's logits [b, n, vocab] from the hidden states entering the LM head (``head_inputs``):
+        the LM head, then the family's logit soft-capping c·tanh(logits / c) when it has one (Gemma 2)."""
+        logits = model.get_output_embeddings()(head_inputs)
+        cap = getattr(model.config, self.logit_softcap_attr, None) if self.logit_softcap_attr else None
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def logits_from_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [b, n, vocab] from the output of the last decoder layer."""
-        return model.get_output_embeddings()(self.final_hidden(model, hidden))
+        return self.head_logits(model, self.final_hidden(model, hidden))
 
     def linear_path_in_model(self, layer_index: int, name: str) -> str:
         """Dotted module path of a projection inside the CausalLM (e.g. for ``get_submodule``)."""
@@ -198,8 +269,10 @@ class ModelAdapter:
         return modules
 
 
-class _StopForward(Exception):
-    """Raised by a hook to stop a forward pass once the first layer's inputs are captured."""
+def _set_path(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = _get_path(root, parent_path) if parent_path else root
+    setattr(parent, attr, module)
 
 
 def _get_path(root: nn.Module, path: str):

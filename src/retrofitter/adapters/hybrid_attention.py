@@ -1,10 +1,20 @@
-"""HF wiring of the LoLCATs hybrid attention: a drop-in replacement for Llama-family attention modules.
+"""HF wiring of the LoLCATs hybrid attention: a drop-in replacement for RoPE attention modules.
 
-``HybridSelfAttention`` replaces ``model.layers[i].self_attn`` of Llama / Mistral / Qwen2 / Qwen3
-(and SmolLM, which is Llama). It keeps the original projections under their HF names (``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``, Qwen3's ``q_norm``/``k_norm``), so the state dict keys and the
-adapters' linear paths are unchanged, and it keeps HF's decoder-layer forward (design.md guideline 4):
-the layer calls ``self_attn(hidden_states, position_embeddings, attention_mask, cache, ...)`` as usual.
+``HybridSelfAttention`` replaces the attention module of every ``linearizable`` family (Llama,
+Mistral, Qwen2/3, Gemma 2/3, Phi-3, GPT-NeoX). It keeps the original projections under their HF
+names and paths (``q_proj`` ... ``o_proj``, Qwen3's / Gemma 3's ``q_norm``/``k_norm``; GPT-NeoX's split
+``query_key_value.{q,k,v}`` and ``dense``), so the state dict keys and the adapters' linear paths are
+unchanged, and it keeps HF's decoder-layer forward (design.md guideline 4): the layer calls
+``self_attn(hidden_states, position_embeddings, attention_mask, cache, ...)`` as usual (GPT-NeoX
+passes the cache as ``layer_past``: the adapter's ``cache_kwarg``).
+
+The teacher (``"softmax"`` mode) reproduces the original attention exactly: the family's ``scaling``
+(Gemma: query_pre_attn_scalar^-1/2), the layer's own sliding window (Gemma 2/3 sliding layers,
+Mistral / Phi-3 with a window; global layers have none), score soft-capping (Gemma 2), q/k norms and
+partial rotary embeddings (GPT-NeoX). A sliding layer is linearized like any other: its teacher is
+its windowed softmax; the student is the usual hybrid (window softmax + linear attention over all
+older keys). Kept softmax layers keep their window in ``HybridCache``. The student's window softmax
+does not soft-cap (``ops`` have no soft-capping): for Gemma 2 the attention transfer learns around it.
 
 Per token ``x`` [b, n, d]:
 
@@ -20,7 +30,7 @@ inputs, and hands ``(y_student, y_teacher)`` ``[b, h, n, dh]`` to the hook (desi
 Padding comes from the mask HF passes to attention layers: a 4-D ``[b, 1, q, kv]`` (bool or
 additive float) or a 2-D ``[b, kv]`` mask; a key is real iff the query at the same position may see
 it (the diagonal), which holds for HF's causal masks with and without a cache.
-Only families whose adapter is ``linearizable`` (RoPE attention with q/k/v/o_proj) are supported.
+Only families whose adapter is ``linearizable`` (RoPE attention with q/k/v/o projections) are supported.
 
 Decode cache: ``HybridCache`` (below) is the model-level HF ``Cache`` of a linearized model; its hybrid
 layers are ``adapters.hybrid_cache.HybridCacheLayer`` (the constant-size state), its softmax layers
@@ -36,9 +46,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..modules.hybrid_attention import HybridLinearAttention
+from ..modules.latent_attention import rotate_half_rope
 from .hybrid_cache import HybridCacheLayer, attach_hybrid_layer
 from .registry import adapter_for
 
@@ -78,6 +89,9 @@ def key_padding_from_attention_mask(attention_mask, query_length: int) -> torch.
     return diagonal if diagonal.dtype == torch.bool else diagonal == 0
 
 
+LLAMA_PATHS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+
 class HybridSelfAttention(nn.Module):
     """Replacement of one HF attention module; see the module docstring.
 
@@ -85,25 +99,44 @@ class HybridSelfAttention(nn.Module):
         original: the HF attention module (its projections and norms are reused, not copied).
         settings: keyword arguments of ``HybridLinearAttention`` (``window``, ``window_kind``,
             ``feature_map``, ``feature_dim``, ``mix_init``, ``linear_weight``, ``execution``).
+        paths: role ``"q"``/``"k"``/``"v"``/``"o"`` -> path of the projection inside ``original``
+            (default Llama's ``q_proj`` ... ``o_proj``); the top-level modules holding them are kept
+            under their names.
+        head_dim: per-head width (default ``original.head_dim``).
+        sliding_window: the original layer's window, None for global attention (default: the layer's
+            ``sliding_window`` attribute if it has one, else its config's).
+        cache_kwarg: keyword under which the decoder layer passes the cache.
     """
 
-    def __init__(self, original: nn.Module, settings: HybridSettings):
+    def __init__(self, original: nn.Module, settings: HybridSettings, *, paths: dict[str, str] | None = None,
+                 head_dim: int | None = None, sliding_window: int | None | str = "auto", cache_kwarg: str = "cache"):
         super().__init__()
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not isinstance(getattr(original, name, None), nn.Module):
-                raise TypeError(f"{type(original).__name__} has no {name}; HybridSelfAttention wraps Llama-family attention")
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = original.q_proj, original.k_proj, original.v_proj, original.o_proj
-        # Qwen3 normalises each head of q and k before RoPE; other families have no such norm.
+        self.paths = dict(paths or LLAMA_PATHS)
+        for path in self.paths.values():
+            try:
+                original.get_submodule(path)
+            except AttributeError:
+                raise TypeError(f"{type(original).__name__} has no {path}; HybridSelfAttention wraps attention "
+                                f"with q/k/v/o projections") from None
+        for path in self.paths.values():
+            name = path.split(".")[0]
+            setattr(self, name, original.get_submodule(name))
+        # Qwen3 / Gemma 3 normalise each head of q and k before RoPE; other families have no such norm.
         self.q_norm = getattr(original, "q_norm", None)
         self.k_norm = getattr(original, "k_norm", None)
         self.layer_idx = int(original.layer_idx)
-        self.head_dim = int(original.head_dim)
+        self.head_dim = int(head_dim or original.head_dim)
         self.scaling = float(getattr(original, "scaling", self.head_dim**-0.5))
-        config = getattr(original, "config", None)
-        # The teacher must reproduce a sliding-window original (Mistral) exactly.
-        self.softmax_sliding_window = getattr(original, "sliding_window", None) or getattr(config, "sliding_window", None)
-        self.n_heads = self.q_proj.out_features // self.head_dim
-        self.n_kv_heads = self.k_proj.out_features // self.head_dim
+        self.softcap = getattr(original, "attn_logit_softcapping", None) or None  # Gemma 2
+        if sliding_window == "auto":
+            config = getattr(original, "config", None)
+            sliding_window = (original.sliding_window if hasattr(original, "sliding_window")
+                              else getattr(config, "sliding_window", None))
+        # The teacher must reproduce a sliding-window original (Mistral, Gemma's sliding layers) exactly.
+        self.softmax_sliding_window = sliding_window or None
+        self.cache_kwarg = cache_kwarg
+        self.n_heads = self.projection("q").out_features // self.head_dim
+        self.n_kv_heads = self.projection("k").out_features // self.head_dim
         self.settings = dict(settings)
         self.hybrid = HybridLinearAttention(
             self.n_heads, self.n_kv_heads, self.head_dim, softmax_scale=self.scaling, **self.settings
@@ -111,20 +144,26 @@ class HybridSelfAttention(nn.Module):
         self.mode = "hybrid"
         self.transfer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
+    def projection(self, role: str) -> nn.Module:
+        """The ``"q"``, ``"k"``, ``"v"`` or ``"o"`` projection (resolved by path: replacements stay visible)."""
+        return self.get_submodule(self.paths[role])
+
     # ---- pieces ---------------------------------------------------------------------------
     def project(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[b, h, n, dh]``, k, v ``[b, g, n, dh]`` after the (Qwen3) head norms and RoPE."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape)
-        k = self.k_proj(hidden_states).view(shape)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.projection("q")(hidden_states).view(shape)
+        k = self.projection("k")(hidden_states).view(shape)
+        v = self.projection("v")(hidden_states).view(shape).transpose(1, 2)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
             k = self.k_norm(k)
         cos, sin = position_embeddings
+        if cos.shape[-1] < self.head_dim:  # partial rotary (GPT-NeoX): the first dims rotate
+            return rotate_half_rope(q.transpose(1, 2), cos, sin), rotate_half_rope(k.transpose(1, 2), cos, sin), v
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q, k, v
 
@@ -141,17 +180,24 @@ class HybridSelfAttention(nn.Module):
         if key_padding_mask is not None:
             # Every query keeps its own key so that padded rows stay finite (they are zeroed below).
             allowed = (allowed & key_padding_mask[:, None, None, :]) | torch.eye(n, dtype=torch.bool, device=q.device)
-        y = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=allowed,
-            scale=self.scaling,
-        )
+        if self.softcap is None:
+            y = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=allowed,
+                scale=self.scaling,
+            )
+        else:  # c·tanh(s / c) on the scaled scores (Gemma 2), then the masked softmax
+            scores = q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2) * self.scaling  # [b, h, n, n]
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            y = weights @ v.repeat_interleave(groups, dim=1)
         if key_padding_mask is not None:
             y = y * key_padding_mask[:, None, :, None].to(y.dtype)
         return y
 
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         b, _, n, _ = y.shape
-        return self.o_proj(y.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        return self.projection("o")(y.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
 
     # ---- HF entry point -------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
@@ -159,6 +205,8 @@ class HybridSelfAttention(nn.Module):
         if position_embeddings is None:
             raise ValueError("HybridSelfAttention needs the rotary position_embeddings HF passes to attention layers")
         kwargs.pop("past_key_values", None)
+        if self.cache_kwarg != "cache":
+            cache = kwargs.pop(self.cache_kwarg, None) if cache is None else cache
         q, k, v = self.project(hidden_states, position_embeddings)
         key_padding_mask = key_padding_from_attention_mask(attention_mask, q.shape[2])
         if self.transfer_hook is not None or self.mode == "softmax":
@@ -199,7 +247,7 @@ class HybridSelfAttention(nn.Module):
         """Bytes of this layer's decode state for ``batch_size`` sequences, every tensor included, in the
         dtypes it is really kept in: k, v in the projections' dtype, S, z in float32 (or float64) —
         see ``HybridLinearAttention.state_bytes``."""
-        return self.hybrid.state_bytes(batch_size, next(self.k_proj.parameters()).dtype)
+        return self.hybrid.state_bytes(batch_size, next(self.projection("k").parameters()).dtype)
 
     def attention_macs_per_token(self, context: int) -> int:
         """q·k and p·v over the window plus phi_q^T S and the state update (context-independent)."""
@@ -235,11 +283,18 @@ def swap_to_hybrid(model: nn.Module, settings: HybridSettings, keep_softmax_laye
         original = adapter.attention(layer)
         if isinstance(original, HybridSelfAttention):
             raise ValueError(f"layer {index} is already hybrid")
-        wrapper = HybridSelfAttention(original, settings)
+        wrapper = HybridSelfAttention(original, settings, **_family_options(adapter, model, original))
         wrapper.hybrid.to(device=parameter.device, dtype=parameter.dtype)
         _set_attention(layer, adapter.attention_path, wrapper)
         replaced.append(index)
     return replaced
+
+
+def _family_options(adapter, model: nn.Module, original: nn.Module) -> dict:
+    """HybridSelfAttention's family arguments, from the adapter (paths, head size, window, cache keyword)."""
+    return {"paths": {role: adapter.attention_relative_path(role) for role in ("q", "k", "v", "o")},
+            "head_dim": adapter.attention_layout(model).head_dim, "sliding_window": adapter.sliding_window(original),
+            "cache_kwarg": adapter.cache_kwarg}
 
 
 def _set_attention(layer: nn.Module, path: str, module: nn.Module) -> None:
@@ -253,13 +308,17 @@ def hybrid_attention_modules(model: nn.Module) -> dict[int, HybridSelfAttention]
     return {m.layer_idx: m for m in model.modules() if isinstance(m, HybridSelfAttention)}
 
 
-def build_from_spec(spec: dict, original: nn.Module) -> HybridSelfAttention:
-    """Rebuild a saved wrapper around the fresh model's attention module (weights are loaded after)."""
-    return HybridSelfAttention(original, spec["settings"])
+def build_from_spec(spec: dict, original: nn.Module, model: nn.Module) -> HybridSelfAttention:
+    """Rebuild a saved wrapper around the fresh ``model``'s attention module ``original`` (weights are
+    loaded after); fused projections are split first, as in the saved model."""
+    adapter = adapter_for(model)
+    adapter.decoder_layers(model)
+    return HybridSelfAttention(original, spec["settings"], **_family_options(adapter, model, original))
 
 
 class HybridCache(Cache):
-    """Cache for a linearized model: ``HybridCacheLayer`` for hybrid layers, ``DynamicLayer`` otherwise.
+    """Cache for a linearized model: ``HybridCacheLayer`` for hybrid layers, ``DynamicLayer`` (sliding
+    layers: ``DynamicSlidingWindowLayer``) otherwise.
 
     Pass it to ``generate(..., cache=HybridCache(model))`` or ``model(..., cache=...)``.
 
@@ -268,9 +327,16 @@ class HybridCache(Cache):
     """
 
     def __init__(self, model: nn.Module):
-        num_layers = len(adapter_for(model).decoder_layers(model))
+        adapter = adapter_for(model)
         hybrid = set(hybrid_attention_modules(model))
-        layers = [HybridCacheLayer() if index in hybrid else DynamicLayer() for index in range(num_layers)]
+        layers = []
+        for index, layer in enumerate(adapter.decoder_layers(model)):
+            if index in hybrid:
+                layers.append(HybridCacheLayer())
+            elif window := adapter.sliding_window(adapter.attention(layer)):
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))  # a kept layer keeps its window
+            else:
+                layers.append(DynamicLayer())
         super().__init__(layers=layers)
 
     def state_nbytes(self) -> int:

@@ -3,8 +3,11 @@ the rebuild used by the checkpoint loader.
 
 Everything family-specific comes from the model's adapter (adapters/base.py): whether the family is
 ``latent_attention`` capable, its rotary-embedding class (``rotary_embedding_class(model)``: RoPE
-execution, or None: absorbed execution) and the output projection's name
-(``attention_output_name``). The cache slots are ``adapters.latent_cache.LatentCacheLayer``.
+execution, or None: absorbed execution; Gemma 3: one table per layer type), where the projections
+are inside the attention module (``attention_relative_path``), the layer's sliding window, and the
+keyword carrying the cache. From the HF attention module itself: ``scaling`` (Gemma:
+query_pre_attn_scalar^-1/2), ``attn_logit_softcapping`` (Gemma 2) and the q/k norms. The cache slots
+are ``adapters.latent_cache`` layers (sliding layers keep only their window).
 
 Conversion keeps the projection modules as they are (``LatentLinear`` after compression, or dense
 ``nn.Linear``) and only swaps the attention module, so the dense-product model (HF attention over
@@ -14,6 +17,7 @@ r_k + r_v numbers per token and layer instead of 2·n_kv·d_h.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 from torch import nn
@@ -24,41 +28,71 @@ from .latent_cache import latent_cache_layer
 from .registry import adapter_for
 
 __all__ = ["latent_attention_from", "to_latent_attention", "latent_attention_spec", "rebuild_latent_attention",
-           "latent_cache_numbers_per_token"]
+           "latent_cache_numbers_per_token", "LayerTypeRotary"]
 
 CAPABILITY = "latent_attention"
+ROLES = ("q", "k", "v", "o")
 
 
-def _attention_resolver(config) -> Callable[[], Callable]:
+class LayerTypeRotary(nn.Module):
+    """A rotary embedding with one table per layer type (Gemma 3), bound to one layer's type:
+    forward(x, position_ids) -> (cos, sin) [b, n, dh_rot] = rotary(x, position_ids, layer_type)."""
+
+    def __init__(self, rotary: nn.Module, layer_type: str):
+        super().__init__()
+        self.rotary = rotary
+        self.layer_type = layer_type
+
+    def forward(self, x, position_ids):
+        return self.rotary(x, position_ids, self.layer_type)
+
+
+def _attention_resolver(config, eager: Callable) -> Callable[[], Callable]:
     """Resolve HF's attention kernel at call time (the implementation can be switched after conversion)."""
 
     def resolve():
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
 
-        return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
 
     return resolve
+
+
+def _eager_kernel(attention: nn.Module, softcap: float | None) -> Callable:
+    """The eager kernel: Llama's, or with soft-capping the family's own (Llama's has no ``softcap``)."""
+    if softcap:
+        eager = getattr(sys.modules.get(type(attention).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"{type(attention).__name__} soft-caps its scores but its module has no eager kernel")
+        return eager
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
 
 
 def latent_attention_from(attention: nn.Module, model: nn.Module) -> LatentAttention:
     """Wrap ``attention`` (an HF attention module of ``model``; projections possibly LatentLinear)."""
     adapter = adapter_for(model, capability=CAPABILITY)
-    output_name = adapter.attention_output_name
+    layout = adapter.attention_layout(model)
     config = attention.config
-    n_heads = config.num_attention_heads
-    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    paths = {role: adapter.attention_relative_path(role) for role in ROLES}
+    children = {path.split(".")[0]: attention.get_submodule(path.split(".")[0]) for path in paths.values()}
     rotary_class = adapter.rotary_embedding_class(model)
     rotary = rotary_class(config=config) if rotary_class is not None else None
     if rotary is not None:
-        reference = attention.q_proj.up if isinstance(attention.q_proj, LatentLinear) else attention.q_proj.weight
+        query = attention.get_submodule(paths["q"])
+        reference = query.up if isinstance(query, LatentLinear) else query.weight
         rotary = rotary.to(reference.device)
+        if adapter.rotary_takes_layer_type:
+            rotary = LayerTypeRotary(rotary, attention.layer_type)
+    softcap = getattr(attention, "attn_logit_softcapping", None)
     module = LatentAttention(
-        attention.q_proj, attention.k_proj, attention.v_proj, getattr(attention, output_name),
-        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=attention.head_dim, layer_idx=attention.layer_idx,
-        scaling=attention.scaling, attention_resolver=_attention_resolver(config), rotary=rotary,
+        children, paths, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+        layer_idx=attention.layer_idx, scaling=attention.scaling,
+        attention_resolver=_attention_resolver(config, _eager_kernel(attention, softcap)), rotary=rotary,
         q_norm=getattr(attention, "q_norm", None), k_norm=getattr(attention, "k_norm", None),
-        output_name=output_name, cache_layer=latent_cache_layer)
+        cache_layer=latent_cache_layer, softcap=softcap, sliding_window=adapter.sliding_window(attention),
+        cache_kwarg=adapter.cache_kwarg)
     module.source_class = type(attention).__name__
     return module
 
@@ -88,18 +122,19 @@ def _projection_spec(module: nn.Module) -> dict:
 
 
 def latent_attention_spec(module: LatentAttention) -> dict:
-    """What the loader needs besides the HF config: which projections are LatentLinear, of what shape."""
-    names = ("q_proj", "k_proj", "v_proj", module.output_name)
-    return {"projections": {name: _projection_spec(getattr(module, name)) for name in names}}
+    """What the loader needs besides the HF config: which projections are LatentLinear, of what shape
+    (keyed by their paths inside the attention module)."""
+    return {"projections": {module.paths[role]: _projection_spec(module.projection(role)) for role in ROLES}}
 
 
 def rebuild_latent_attention(spec: dict, original: nn.Module, model: nn.Module) -> LatentAttention:
     """Empty LatentAttention of the recorded shapes around ``original`` (the fresh HF attention of ``model``)."""
-    for name, entry in spec["projections"].items():
+    adapter_for(model).decoder_layers(model)  # split fused projections first (their parts are named in spec)
+    for path, entry in spec["projections"].items():
         if entry["type"] == "LatentLinear":
             fields = {k: v for k, v in entry.items() if k != "type"}
-            reference = getattr(original, name).weight
-            setattr(original, name, LatentLinear(**fields, dtype=reference.dtype, device=reference.device))
+            reference = original.get_submodule(path).weight
+            original.set_submodule(path, LatentLinear(**fields, dtype=reference.dtype, device=reference.device))
     return latent_attention_from(original, model)
 
 

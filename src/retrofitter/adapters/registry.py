@@ -10,14 +10,18 @@ from __future__ import annotations
 from torch import nn
 
 from .base import ModelAdapter
+from .gemma import GEMMA2_ADAPTER, GEMMA3_ADAPTER
+from .gpt_neox import GPT_NEOX_ADAPTER
 from .llama import LLAMA_ADAPTER
 from .opt import OPT_ADAPTER
+from .phi3 import PHI3_ADAPTER
 from .qwen2 import QWEN2_ADAPTER
 
 __all__ = ["ADAPTERS", "FAMILY_ADAPTERS", "CAPABILITIES", "adapter_for", "UnsupportedArchitectureError",
            "supported_architectures"]
 
-FAMILY_ADAPTERS: tuple[ModelAdapter, ...] = (LLAMA_ADAPTER, QWEN2_ADAPTER, OPT_ADAPTER)
+FAMILY_ADAPTERS: tuple[ModelAdapter, ...] = (LLAMA_ADAPTER, QWEN2_ADAPTER, OPT_ADAPTER, GEMMA2_ADAPTER,
+                                              GEMMA3_ADAPTER, PHI3_ADAPTER, GPT_NEOX_ADAPTER)
 
 ADAPTERS: dict[str, ModelAdapter] = {name: adapter for adapter in FAMILY_ADAPTERS for name in adapter.architectures}
 

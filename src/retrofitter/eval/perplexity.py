@@ -55,11 +55,10 @@ def block_nll(model: nn.Module, blocks: torch.Tensor, chunk_tokens: int = 256) -
     except UnsupportedArchitectureError:
         return block_nll_reference(model, blocks)
     hidden = adapter.head_inputs(model, blocks)[:, :-1]  # [b, L-1, d]
-    head = model.get_output_embeddings()
     targets = blocks[:, 1:]
     total = torch.zeros(blocks.shape[0], dtype=torch.float64, device=hidden.device)
     for start in range(0, targets.shape[1], chunk_tokens):
-        logits = head(hidden[:, start:start + chunk_tokens]).float()
+        logits = adapter.head_logits(model, hidden[:, start:start + chunk_tokens]).float()  # soft-capped if any
         chunk_targets = targets[:, start:start + chunk_tokens]
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk_targets.reshape(-1), reduction="none")
         total += nll.view(chunk_targets.shape).double().sum(dim=1)

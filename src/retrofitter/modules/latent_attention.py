@@ -26,6 +26,13 @@ is not the token's index). So the cache grows by ``cache_bytes_per_token()`` =
 (``adapters.latent_cache``); the adapter passes ``cache_layer(cache, layer_idx) -> slot`` whose slot has
 ``update_latent(z_k [b, n, r_k], z_v [b, n, r_v], positions [b, n] | None)`` returning everything cached
 so far (z_k [b, N, r_k], z_v [b, N, r_v], positions [b, N] | None).
+
+Family features honoured exactly (given by the adapter): the softmax ``scaling`` (Gemma:
+query_pre_attn_scalar^-1/2), tanh soft-capping of the scores (``softcap``, Gemma 2: handed to the
+kernel, which must support it), a per-layer ``sliding_window`` (the mask carries it; it is handed to
+the kernel too), per-head q/k norms (Gemma 3, Qwen3), partial rotary embeddings (GPT-NeoX, Phi:
+``cos``/``sin`` narrower than dh rotate the first dims only), and projections that live at nested
+paths (``paths``: GPT-NeoX's ``query_key_value.q`` inside a split fused projection).
 """
 
 from __future__ import annotations
@@ -42,7 +49,13 @@ __all__ = ["LatentAttention", "rotate_half_rope"]
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the rotate_half layout: x cos + [−x₂, x₁] sin; x [b, heads, n, dh], cos/sin [b, n, dh]."""
+    """RoPE in the rotate_half layout: x cos + [−x₂, x₁] sin; x [b, heads, n, dh], cos/sin [b, n, dh_rot].
+
+    Partial rotary (dh_rot < dh, GPT-NeoX / Phi): the first dh_rot dims rotate, the others pass through.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((rotate_half_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -78,61 +91,80 @@ class LatentAttention(nn.Module):
     """Attention over latent k/v (see module docstring). Projections are kept under HF's names.
 
     Args:
-        q_proj, k_proj, v_proj, o_proj: LatentLinear (or nn.Linear) projections; o_proj is stored under
-            ``output_name`` (the HF attribute name, e.g. ``out_proj`` for OPT).
+        children: attribute name -> module, registered as they are: the projections (LatentLinear or
+            nn.Linear) or the modules holding them, under the family's names (``q_proj``, ...,
+            ``out_proj`` for OPT; ``query_key_value`` and ``dense`` for GPT-NeoX) so that adapter paths
+            and state-dict keys are those of the HF attention module.
+        paths: role ``"q"``, ``"k"``, ``"v"``, ``"o"`` -> dotted path of that projection under ``children``.
         n_heads, n_kv_heads, head_dim, layer_idx, scaling: geometry, cache slot and softmax scale.
-        attention_function: HF attention kernel ``f(module, q, k, v, mask, dropout=, scaling=, **kw)``
-            returning (out [b, n, heads, dv], weights); resolved per call by ``attention_resolver``.
+        attention_resolver: returns the HF attention kernel ``f(module, q, k, v, mask, dropout=, scaling=,
+            **kw)`` -> (out [b, n, heads, dv], weights); resolved per call.
         rotary: module with forward(x, position_ids) -> (cos, sin) for RoPE models (None: absorbed path).
-        q_norm, k_norm: per-head norms applied before RoPE (Qwen3), or None.
+        q_norm, k_norm: per-head norms applied before RoPE (Qwen3, Gemma 3), or None.
         cache_layer: ``cache_layer(cache, layer_idx) -> slot`` with ``slot.update_latent`` (module
             docstring); None: the module runs without a cache only.
+        softcap: c of the score soft-capping c·tanh(s / c) (Gemma 2), or None.
+        sliding_window: the layer's window (the mask already limits the keys; flash kernels read it), or None.
+        cache_kwarg: the keyword under which the decoder layer passes the cache (GPT-NeoX: ``layer_past``).
     """
 
     position_dtype = torch.int32  # cached position ids (RoPE models); exact up to 2**31 tokens
 
-    def __init__(self, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module, *,
+    def __init__(self, children: dict[str, nn.Module], paths: dict[str, str], *,
                  n_heads: int, n_kv_heads: int, head_dim: int, layer_idx: int, scaling: float,
                  attention_resolver: Callable[[], Callable], rotary: nn.Module | None = None,
-                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, output_name: str = "o_proj",
-                 cache_layer: Callable[[object, int], object] | None = None):
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                 cache_layer: Callable[[object, int], object] | None = None, softcap: float | None = None,
+                 sliding_window: int | None = None, cache_kwarg: str = "cache"):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-        for name, projection, rows in (("q_proj", q_proj, n_heads), ("k_proj", k_proj, n_kv_heads),
-                                       ("v_proj", v_proj, n_kv_heads)):
+        if sorted(paths) != ["k", "o", "q", "v"]:
+            raise ValueError(f"paths must name the q, k, v and o projections; got {sorted(paths)}")
+        for name, module in children.items():
+            setattr(self, name, module)
+        self.paths = dict(paths)
+        # The output projection's attribute (OPT: out_proj) when it is a direct child.
+        self.output_name = self.paths["o"]
+        for role, rows in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+            projection = self.projection(role)
             if projection.out_features != rows * head_dim:
-                raise ValueError(f"{name} has {projection.out_features} outputs, expected {rows}×{head_dim}")
-        self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
-        # The output projection keeps the family's attribute name (OPT: out_proj) so adapter paths still resolve.
-        self.output_name = output_name
-        setattr(self, output_name, o_proj)
+                raise ValueError(f"{self.paths[role]} has {projection.out_features} outputs, expected "
+                                 f"{rows}×{head_dim}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.layer_idx, self.scaling = layer_idx, float(scaling)
         self.rotary, self.q_norm, self.k_norm = rotary, q_norm, k_norm
+        self.softcap = float(softcap) if softcap else None
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.cache_kwarg = cache_kwarg
         self._attention_resolver = attention_resolver
         self._cache_layer = cache_layer
-        self.absorbed = rotary is None and q_norm is None and k_norm is None
+        # Absorbed execution drops the key bias's score shift, exact only without soft-capping.
+        self.absorbed = rotary is None and q_norm is None and k_norm is None and self.softcap is None
+
+    def projection(self, role: str) -> nn.Module:
+        """The ``"q"``, ``"k"``, ``"v"`` or ``"o"`` projection (resolved by path: replacements stay visible)."""
+        return self.get_submodule(self.paths[role])
 
     @property
     def output_projection(self) -> nn.Module:
-        return getattr(self, self.output_name)
+        return self.projection("o")
 
     def cache_numbers_per_token(self) -> int:
         """Cached latent numbers per token in this layer: r_k + r_v (position ids aside)."""
-        return _latent_width(self.k_proj) + _latent_width(self.v_proj)
+        return _latent_width(self.projection("k")) + _latent_width(self.projection("v"))
 
     def cache_bytes_per_token(self) -> int:
         """Bytes the cache grows by per token in this layer: (r_k + r_v)·dtype bytes of the latents
         (the projections' dtype) + the position id (``position_dtype``) for RoPE models."""
-        latent_bytes = _decompression(self.k_proj)[0].element_size()
+        latent_bytes = _decompression(self.projection("k"))[0].element_size()
         position_bytes = 0 if self.rotary is None else torch.empty((), dtype=self.position_dtype).element_size()
         return self.cache_numbers_per_token() * latent_bytes + position_bytes
 
     def _cached_latents(self, x: torch.Tensor, cache, positions: torch.Tensor | None):
         """(z_k [b, N, r_k], z_v [b, N, r_v], positions [b, N] | None): this call's tokens, after the
         cached ones when ``cache`` is given (positions are cached only when given, i.e. for RoPE)."""
-        z_k, z_v = _latent(self.k_proj, x), _latent(self.v_proj, x)  # [b, n, r_k], [b, n, r_v]
+        z_k, z_v = _latent(self.projection("k"), x), _latent(self.projection("v"), x)  # [b, n, r_k], [b, n, r_v]
         if cache is None:
             return z_k, z_v, positions
         if self._cache_layer is None:
@@ -144,14 +176,24 @@ class LatentAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 **kwargs):
         kwargs.pop("past_key_values", None)
+        if self.cache_kwarg != "cache":
+            cache = kwargs.pop(self.cache_kwarg, None) if cache is None else cache
         batch, length, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, length, self.n_heads, self.head_dim)  # [b, n, h, dh]
+        query = self.projection("q")(hidden_states).view(batch, length, self.n_heads, self.head_dim)  # [b, n, h, dh]
         if self.absorbed:
             return self._absorbed(hidden_states, query, attention_mask, cache, kwargs)
         return self._rope(hidden_states, query, position_embeddings, attention_mask, cache, kwargs)
 
     def _kernel(self, groups: int):
         return _HeadsView(groups, self.training), self._attention_resolver()
+
+    def _kernel_options(self, kwargs: dict) -> dict:
+        """The kernel's keyword arguments: the caller's, plus the soft-cap and window when the layer has them."""
+        if self.softcap is not None:
+            kwargs = {**kwargs, "softcap": self.softcap}
+        if self.sliding_window is not None:
+            kwargs = {**kwargs, "sliding_window": self.sliding_window}
+        return kwargs
 
     def _rope(self, x, query, position_embeddings, attention_mask, cache, kwargs):
         batch, length = x.shape[:2]
@@ -160,8 +202,8 @@ class LatentAttention(nn.Module):
             past = cache.get_seq_length(self.layer_idx) if hasattr(cache, "get_seq_length") else 0
             positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
         z_k, z_v, cached_positions = self._cached_latents(x, cache, positions if self.rotary is not None else None)
-        B_k, b_k = _decompression(self.k_proj)
-        B_v, b_v = _decompression(self.v_proj)
+        B_k, b_k = _decompression(self.projection("k"))
+        B_v, b_v = _decompression(self.projection("v"))
         total = z_k.shape[1]
         key = F.linear(z_k, B_k, b_k).view(batch, total, self.n_kv_heads, self.head_dim)  # [b, N, g, dh]
         value = F.linear(z_v, B_v, b_v).view(batch, total, self.n_kv_heads, self.head_dim)
@@ -177,21 +219,22 @@ class LatentAttention(nn.Module):
                 cos, sin = self.rotary(value, cached_positions)
             key = rotate_half_rope(key, cos, sin)
         view, kernel = self._kernel(self.n_heads // self.n_kv_heads)
-        out, weights = kernel(view, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        out, weights = kernel(view, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                              **self._kernel_options(kwargs))
         return self.output_projection(out.reshape(batch, length, -1)), weights
 
     def _absorbed(self, x, query, attention_mask, cache, kwargs):
         batch, length = x.shape[:2]
         z_k, z_v, _ = self._cached_latents(x, cache, None)
-        B_k, _ = _decompression(self.k_proj)  # the key bias only shifts every score of a query equally
-        B_v, b_v = _decompression(self.v_proj)
+        B_k, _ = _decompression(self.projection("k"))  # the key bias only shifts every score of a query equally
+        B_v, b_v = _decompression(self.projection("v"))
         group = self.n_heads // self.n_kv_heads
         key_heads = B_k.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r_k]
         value_heads = B_v.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r_v]
         latent_query = torch.einsum("bnhd,hdr->bhnr", query, key_heads)  # [b, h, n, r_k]
         view, kernel = self._kernel(self.n_heads)  # one shared latent key/value "head"
         mixed, weights = kernel(view, latent_query, z_k.unsqueeze(1), z_v.unsqueeze(1), attention_mask,
-                                dropout=0.0, scaling=self.scaling, **kwargs)  # [b, n, h, r_v]
+                                dropout=0.0, scaling=self.scaling, **self._kernel_options(kwargs))  # [b, n, h, r_v]
         heads = torch.einsum("bnhr,hdr->bnhd", mixed, value_heads)  # [b, n, h, dh]
         if b_v is not None:
             heads = heads + b_v.view(self.n_kv_heads, self.head_dim).repeat_interleave(group, 0)
@@ -200,4 +243,6 @@ class LatentAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"layer_idx={self.layer_idx}, cache_numbers_per_token={self.cache_numbers_per_token()}, "
-                f"absorbed={self.absorbed}")
+                f"absorbed={self.absorbed}"
+                + (f", softcap={self.softcap:g}" if self.softcap is not None else "")
+                + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""))

@@ -162,6 +162,10 @@ def _input_name(layer: int, batch: int) -> str:
     return f"inputs/layer_{layer:03d}/batch_{batch:05d}"
 
 
+def _rotary_name(layer: int) -> str:
+    return f"inputs/layer_{layer:03d}/rotary"
+
+
 def _params_name(layer: int) -> str:
     return f"params/layer_{layer:03d}"
 
@@ -171,14 +175,13 @@ def _capture_layer_inputs(model, modules, blocks, batch_size, run_dir: RunDirect
     """Teacher pass: write every hybrid layer's attention input per batch to ``inputs/L{l}/B{i}``."""
     device = next(model.parameters()).device
     batch_index = {"value": 0}
-    rotary: dict = {}
 
     def grab(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         run_dir.save_tensors(_input_name(module.layer_idx, batch_index["value"]), {"hidden": hidden})
-        if "cos" not in rotary:
+        if batch_index["value"] == 0:  # per layer: layer types may differ in rotary table (Gemma 3)
             cos, sin = kwargs["position_embeddings"]
-            rotary.update(cos=cos.contiguous(), sin=sin.contiguous())
+            run_dir.save_tensors(_rotary_name(module.layer_idx), {"cos": cos, "sin": sin})
 
     handles = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in modules]
     for m in modules:
@@ -193,7 +196,6 @@ def _capture_layer_inputs(model, modules, blocks, batch_size, run_dir: RunDirect
             handle.remove()
         for m in modules:
             m.mode = "hybrid"
-    run_dir.save_tensors("inputs/rotary", rotary)
     return len(steps)
 
 
@@ -201,7 +203,7 @@ def _train_one_layer(module: HybridSelfAttention, run_dir: RunDirectory, n_batch
                      shard_batches: bool) -> list[float]:
     """Train one layer's feature maps + mixing weights on its cached teacher inputs; MSE per epoch."""
     device = accelerator.device
-    rotary = run_dir.load_tensors("inputs/rotary", device)
+    rotary = run_dir.load_tensors(_rotary_name(module.layer_idx), device)
     position_embeddings = (rotary["cos"], rotary["sin"])
     parameters = module.hybrid.trainable_parameters()
     optimizer = torch.optim.Adam(parameters, lr=config.transfer_lr)

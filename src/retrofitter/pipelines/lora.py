@@ -61,12 +61,12 @@ class ChunkedNextTokenLoss(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         lm = self._causal_lm()
-        hidden = adapter_for(lm).head_inputs(lm, input_ids)[:, :-1]
+        adapter = adapter_for(lm)
+        hidden = adapter.head_inputs(lm, input_ids)[:, :-1]
         targets = input_ids[:, 1:]
-        head = lm.get_output_embeddings()
 
         def chunk_nll(states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            logits = head(states)
+            logits = adapter.head_logits(lm, states)  # the LM head, soft-capped where the family caps logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
 
