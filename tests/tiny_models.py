@@ -43,6 +43,29 @@ def _gpt_neox_config():
                                       pad_token_id=0, tie_word_embeddings=False)
 
 
+IMAGE_TOKEN = TINY_VOCAB - 1  # LLaVA's image placeholder id (inside the vocabulary, as in real checkpoints)
+IMAGE_SIZE = 16  # tiny CLIP: 16×16 images, 8×8 patches -> 4 patch features (+ CLS, dropped) per image
+
+
+def _tiny_clip():
+    return transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=8)
+
+
+def _llava_config():
+    """LLaVA-1.5 wiring at tiny size: CLIP tower (second-to-last layer, CLS dropped), GELU projector, Llama text."""
+    return transformers.LlavaConfig(vision_config=_tiny_clip(), text_config=transformers.LlamaConfig(**_common()),
+                                    image_token_index=IMAGE_TOKEN, image_seq_length=4, projector_hidden_act="gelu")
+
+
+def _llava_next_config():
+    """LLaVA-NeXT (any-resolution tiles + image newline) at tiny size, Mistral text."""
+    return transformers.LlavaNextConfig(vision_config=_tiny_clip(),
+                                        text_config=transformers.MistralConfig(**_common(sliding_window=None)),
+                                        image_token_index=IMAGE_TOKEN, projector_hidden_act="gelu",
+                                        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+
+
 # One row per supported model family: name -> tiny config. Adding a family to retrofitter = one adapter
 # file + one row here (every adapter/module test is parametrized over these rows).
 TINY_CONFIGS = {
@@ -56,6 +79,8 @@ TINY_CONFIGS = {
     "gemma3": _gemma3_config,
     "phi3": lambda: transformers.Phi3Config(**_common(sliding_window=8, partial_rotary_factor=0.75)),
     "gpt_neox": _gpt_neox_config,
+    "llava": _llava_config,  # vision-language: only the language model is converted (tests/test_llava.py)
+    "llava_next": _llava_next_config,
 }
 
 FAMILIES = list(TINY_CONFIGS)
@@ -67,7 +92,9 @@ def build_tiny(family: str, seed: int = 0, dtype=torch.float32):
         raise ValueError(f"unknown tiny family {family!r}; rows: {FAMILIES}")
     torch.manual_seed(seed)
     config = TINY_CONFIGS[family]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    vision_language = hasattr(config, "vision_config")  # LLaVA rows
+    auto = transformers.AutoModelForImageTextToText if vision_language else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=dtype)
     # Random init in HF is small; make the biases nonzero so bias handling is exercised.
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .adapters import auto_class_for
 from .checkpoint import check_weight_files, is_retrofitted_dir, load_retrofitted, save_retrofitted
 from .config import CompressConfig, EvalConfig
 from .errors import ModelLoadError
@@ -69,8 +70,9 @@ def load_model(name_or_path: str, dtype="float32", device="cpu"):
         if is_retrofitted_dir(source):
             model = load_retrofitted(source, dtype=dtype, device=device)
         else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
+            config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
+            model = auto_class_for(config).from_pretrained(  # LLaVA: AutoModelForImageTextToText
+                source, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except ModelLoadError:
         raise

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from .adapters.registry import auto_class_for
 from .adapters.replacements import replacement_types
 from .errors import ModelLoadError, OutputBusyError
 
@@ -168,7 +169,7 @@ def load_retrofitted(path, dtype: torch.dtype | None = None, device: str | torch
     path = Path(path)
     info = read_retrofitter_json(path)
     config = transformers.AutoConfig.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class_for(config).from_config(config, dtype=torch.float32)  # LLaVA: AutoModelForImageTextToText
     types = replacement_types()
     for module_path, entry in info.get("replacements", {}).items():
         try:

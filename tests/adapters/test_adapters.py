@@ -12,7 +12,7 @@ def test_every_projection_is_a_linear_with_layout_shapes(tiny_model):
     adapter = adapter_for(tiny_model)
     layout = adapter.attention_layout(tiny_model)
     layers = adapter.decoder_layers(tiny_model)
-    assert len(layers) == tiny_model.config.num_hidden_layers
+    assert len(layers) == tiny_model.config.get_text_config().num_hidden_layers
     d, h, g, dh = layout.hidden_size, layout.n_heads, layout.n_kv_heads, layout.head_dim
     for layer in layers:
         q, k, v, o = (adapter.get_linear(layer, n) for n in ("q", "k", "v", "o"))

@@ -2,7 +2,7 @@
 
 from .base import AttentionLayout, ModelAdapter
 from .registry import (ADAPTERS, CAPABILITIES, FAMILY_ADAPTERS, UnsupportedArchitectureError, adapter_for,
-                       supported_architectures)
+                       auto_class_for, supported_architectures)
 
 __all__ = [
     "ADAPTERS",
@@ -12,5 +12,6 @@ __all__ = [
     "ModelAdapter",
     "UnsupportedArchitectureError",
     "adapter_for",
+    "auto_class_for",
     "supported_architectures",
 ]

@@ -21,7 +21,12 @@ are and how they are wired, so that pipelines can stay generic (design.md §1, g
   or GPT-NeoX's ``query_key_value``, split into named parts, ``FusedLayout``), ``rotary_takes_layer_type``
   (Gemma 3: one rotary table per layer type), ``logit_softcap_attr`` (Gemma 2: tanh soft-capping of
   the LM-head logits), ``cache_kwarg`` (the name under which the decoder layer hands the cache to its
-  attention: ``cache``, GPT-NeoX ``layer_past``).
+  attention: ``cache``, GPT-NeoX ``layer_past``), ``auto_class`` (the transformers Auto class that builds the
+  model from its config: ``AutoModelForCausalLM``, LLaVA ``AutoModelForImageTextToText``).
+
+Composite models (LLaVA: a vision tower, a projector and a language model) are described by the paths
+of their language model; every config fact is read from ``text_config(model)`` (the model's config
+itself for a plain causal LM, its ``text_config`` for LLaVA).
 
 Per-layer inputs. Families with several ``config.layer_types`` (Gemma 2/3: sliding and global layers)
 give each decoder layer its own mask (and Gemma 3 its own rotary table). ``capture_first_layer_inputs``
@@ -50,7 +55,12 @@ from torch import nn
 from ..modules.fused_projection import FusedProjection
 from .layer_inputs import PerLayer, capture_layer_inputs
 
-__all__ = ["AttentionLayout", "FusedLayout", "ModelAdapter", "PerLayer"]
+__all__ = ["AttentionLayout", "FusedLayout", "ModelAdapter", "PerLayer", "UnsupportedArchitectureError"]
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model's class has no adapter, its adapter lacks the capability asked for, or a composite model's
+    part is not one the adapter serves (a LLaVA whose language model is not Llama-wired)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class ModelAdapter:
     rotary_takes_layer_type: bool = False  # rotary forward(x, position_ids, layer_type) (Gemma 3)
     logit_softcap_attr: str = ""  # config attribute c: logits = c·tanh(logits / c) (Gemma 2)
     cache_kwarg: str = "cache"  # keyword under which the decoder layer passes the cache to attention
+    auto_class: str = "AutoModelForCausalLM"  # transformers Auto class building the model from its config
 
     # ---- family facts -----------------------------------------------------------------------
     @property
@@ -153,13 +164,18 @@ class ModelAdapter:
             window = getattr(getattr(attention, "config", None), "sliding_window", None)
         return int(window) if window else None
 
+    @staticmethod
+    def text_config(model: nn.Module):
+        """The language model's config: ``model.config``, or its text part for a composite model (LLaVA)."""
+        return model.config.get_text_config()
+
     # ---- navigation -----------------------------------------------------------------------
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """The decoder layers; fused projections (``fused``) are split into their parts on first use."""
         layers = _get_path(model, self.decoder_path)
         if self.fused:
             for layer in layers:
-                self._split_fused(layer, model.config)
+                self._split_fused(layer, self.text_config(model))
         return layers
 
     def _split_fused(self, layer: nn.Module, config) -> None:
@@ -183,7 +199,7 @@ class ModelAdapter:
         return _get_path(layer, self.activation_path)
 
     def attention_layout(self, model: nn.Module) -> AttentionLayout:
-        return self.layout_fn(model.config)
+        return self.layout_fn(self.text_config(model))
 
     @property
     def linear_names(self) -> tuple[str, ...]:
@@ -207,7 +223,7 @@ class ModelAdapter:
         called later as ``layer(hidden_states, **layer_kwargs)`` with HF's own forward.
         """
         layers = self.decoder_layers(model)
-        per_layer = len(set(getattr(model.config, "layer_types", None) or ())) > 1
+        per_layer = len(set(getattr(self.text_config(model), "layer_types", None) or ())) > 1
         hidden, kwargs = capture_layer_inputs(model, layers, input_ids, per_layer)
         kwargs.pop("cache", None)
         kwargs.pop("past_key_values", None)
@@ -237,7 +253,7 @@ class ModelAdapter:
         """The model's logits [b, n, vocab] from the hidden states entering the LM head (``head_inputs``):
         the LM head, then the family's logit soft-capping c·tanh(logits / c) when it has one (Gemma 2)."""
         logits = model.get_output_embeddings()(head_inputs)
-        cap = getattr(model.config, self.logit_softcap_attr, None) if self.logit_softcap_attr else None
+        cap = getattr(self.text_config(model), self.logit_softcap_attr, None) if self.logit_softcap_attr else None
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
