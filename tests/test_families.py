@@ -15,14 +15,14 @@ from retrofitter.adapters.hybrid_attention import HybridCache, hybrid_attention_
 from retrofitter.adapters.latent_attention import to_latent_attention
 from retrofitter.adapters.latent_cache import LatentSlidingWindowCacheLayer
 from retrofitter.checkpoint import load_retrofitted, save_retrofitted
-from retrofitter.config import CompressConfig
+from retrofitter.config import COMPRESS_METHODS, CompressConfig
 from retrofitter.modules.latent_attention import LatentAttention
 from retrofitter.modules.latent_linear import LatentLinear
 from retrofitter.pipelines.compress import compress_model
 
 from tiny_models import FAMILIES, TINY_VOCAB, build_tiny, strong_tiny
 
-METHODS = ("svd", "asvd-rootcov", "latentllm")
+METHODS = tuple(COMPRESS_METHODS)  # every method
 LINEARIZABLE = [f for f in FAMILIES if type(build_tiny(f)).__name__ in supported_architectures("linearize")]
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
