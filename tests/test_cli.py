@@ -31,6 +31,25 @@ def test_eval_writes_contract_json(workspace, capsys):
     assert "ppl" in capsys.readouterr().out
 
 
+def test_eval_quantize_reports_int8_bytes(workspace, capsys):
+    from retrofitter.api import load_model
+    from retrofitter.eval.accounting import stored_bytes
+
+    tmp, model_dir, corpus = workspace
+    base = ["eval", str(model_dir), "--ppl", str(corpus), "--seq-len", "32", "--quiet", "--json"]
+    assert main(base + [str(tmp / "float.json")]) == 0
+    assert main(base + [str(tmp / "int8.json"), "--quantize", "int8-weight"]) == 0
+    plain, data = (json.loads((tmp / f"{n}.json").read_text()) for n in ("float", "int8"))
+    assert data["settings"]["quantize"] == "int8-weight" and plain["settings"]["quantize"] is None
+    assert "original+int8-weight" in capsys.readouterr().out
+    quantized, _ = load_model(str(model_dir), quantize="int8-weight")
+    assert data["bytes"]["stored"] == stored_bytes(quantized) < plain["bytes"]["stored"]
+    assert data["params"] == plain["params"]
+    assert data["ppl"][str(corpus)] == pytest.approx(plain["ppl"][str(corpus)], rel=2e-2)
+    with pytest.raises(SystemExit):  # argparse: the choices are listed
+        main(["eval", str(model_dir), "--quantize", "int4"])
+
+
 def test_compress_save_load_eval_round_trip(workspace):
     tmp, model_dir, corpus = workspace
     out = tmp / "compressed"

@@ -1,15 +1,15 @@
 """retrofitter: convert a pretrained Transformer LM into a cheaper architecture without pre-training.
 
 Public API (lazy, so ``import retrofitter`` stays cheap):
-``compress``, ``linearize``, ``evaluate``, ``load``, ``save``, ``CompressConfig``, ``LinearizeConfig``.
+``compress``, ``linearize``, ``evaluate``, ``quantize``, ``load``, ``save``, ``CompressConfig``, ``LinearizeConfig``.
 """
 
 from .version import __version__
 
-__all__ = ["__version__", "compress", "linearize", "evaluate", "load", "save", "load_model", "CompressConfig",
-           "LinearizeConfig", "EvalConfig"]
+__all__ = ["__version__", "compress", "linearize", "evaluate", "quantize", "load", "save", "load_model",
+           "CompressConfig", "LinearizeConfig", "EvalConfig"]
 
-_API_NAMES = {"compress", "linearize", "evaluate", "load", "save", "load_model"}
+_API_NAMES = {"compress", "linearize", "evaluate", "quantize", "load", "save", "load_model"}
 _CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "EvalConfig"}
 
 

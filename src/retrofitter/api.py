@@ -1,4 +1,5 @@
-"""Public API: ``load_model``, ``evaluate``, ``compress``, ``save``, ``load`` (design.md §1, guideline 1)."""
+"""Public API: ``load_model``, ``evaluate``, ``compress``, ``quantize``, ``save``, ``load`` (design.md §1,
+guideline 1)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from .adapters import auto_class_for
 from .checkpoint import check_weight_files, is_retrofitted_dir, load_retrofitted, save_retrofitted
 from .config import CompressConfig, EvalConfig
 from .errors import ModelLoadError
-from .eval.accounting import account
+from .eval.accounting import account, tensor_leaves
 from .eval.perplexity import perplexity
 from .eval.resources import peak_rss_mb, timed
+from .modules.quantize import QUANTIZE_SCHEMES, check_scheme, quantize_model, quantized_scheme
 
-__all__ = ["load_model", "load", "save", "evaluate", "evaluation_blocks", "compress", "linearize", "write_json",
-           "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics", "finetune_lora"]
+__all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
+           "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
+           "finetune_lora"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -48,11 +51,12 @@ def resolve_device(device) -> torch.device:
     return resolved
 
 
-def load_model(name_or_path: str, dtype="float32", device="cpu"):
+def load_model(name_or_path: str, dtype="float32", device="cpu", quantize: str | None = None):
     """``(model, tokenizer)`` for a built-in alias, a local HF dir, a saved retrofitter dir or a hub id.
 
     Weights load from safetensors only; no remote code is ever executed. Any failure to read the
-    model raises ``errors.ModelLoadError`` naming the model and the file at fault.
+    model raises ``errors.ModelLoadError`` naming the model and the file at fault. ``quantize`` (a key
+    of ``QUANTIZE_SCHEMES``) quantizes the loaded model's projections (see :func:`quantize`).
     """
     import transformers
 
@@ -60,6 +64,8 @@ def load_model(name_or_path: str, dtype="float32", device="cpu"):
 
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
+    if quantize is not None:
+        check_scheme(quantize, device.type)  # before the (slow) load
     try:
         source = resolve_model_source(name_or_path)
     except FileNotFoundError as error:
@@ -80,12 +86,21 @@ def load_model(name_or_path: str, dtype="float32", device="cpu"):
         detail = " ".join(str(error).split())[:300] or type(error).__name__
         raise ModelLoadError(f"cannot load model {name_or_path!s}: {detail}") from error
     model.name_or_path = str(name_or_path)
+    if quantize is not None:
+        model = quantize_model(model, quantize)
     return model, tokenizer
 
 
-def load(path, dtype="float32", device="cpu"):
+def quantize(model: nn.Module, scheme: str) -> nn.Module:
+    """Quantize in place every projection weight of ``model`` (``nn.Linear`` weights and ``LatentLinear``
+    factors; embeddings and LM head stay float) with torchao ``scheme`` (``int8-weight``, ``int8-dynamic``);
+    returns ``model``. For inference and evaluation: a quantized model cannot be saved."""
+    return quantize_model(model, scheme)
+
+
+def load(path, dtype="float32", device="cpu", quantize: str | None = None):
     """Load a saved retrofitter directory (or any model ``load_model`` accepts): returns ``(model, tokenizer)``."""
-    return load_model(str(path), dtype=dtype, device=device)
+    return load_model(str(path), dtype=dtype, device=device, quantize=quantize)
 
 
 def save(model: nn.Module, out, tokenizer=None, metadata: dict | None = None, overwrite: bool = False) -> Path:
@@ -113,7 +128,8 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
     timings: dict = {}
     ppl, details = {}, {}
     if config.corpora:
-        broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        broken = next((n for n, p in model.named_parameters()
+                       if not all(torch.isfinite(t).all() for t in tensor_leaves(p))), None)
         if broken is not None:
             raise ValueError(f"the model has non-finite weights (NaN/Inf) in {broken}: its perplexity is undefined; "
                              f"re-create it from the original")
@@ -141,6 +157,7 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
         "state_bytes_per_sequence": accounting.state_bytes_per_sequence,
         "settings": {"seq_len": config.seq_len, "max_eval_tokens": config.max_eval_tokens,
                      "batch_size": config.batch_size, "dtype": accounting.dtype,
+                     "quantize": quantized_scheme(model),
                      "eval_tokens": details, "threads": torch.get_num_threads()},
         "timings_s": timings,
         "peak_rss_mb": peak_rss_mb(),

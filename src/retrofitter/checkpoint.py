@@ -27,6 +27,7 @@ from torch import nn
 from .adapters.registry import auto_class_for
 from .adapters.replacements import replacement_types
 from .errors import ModelLoadError, OutputBusyError
+from .modules.quantize import quantized_scheme
 
 __all__ = ["save_retrofitted", "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
            "RETROFITTER_JSON"]
@@ -95,7 +96,13 @@ def output_lock(out) -> Iterator[None]:
 
 
 def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, overwrite: bool = False) -> Path:
-    """Write ``model`` to directory ``out`` atomically (temp dir + rename). Returns ``out``."""
+    """Write ``model`` to directory ``out`` atomically (temp dir + rename). Returns ``out``.
+
+    A quantized model (``modules.quantize``) is refused: its int8 tensor subclasses have no safetensors
+    layout that ``load_retrofitted`` reads; save the float model and quantize after loading."""
+    if quantized_scheme(model) is not None:
+        raise ValueError(f"cannot save a quantized model ({quantized_scheme(model)}): save the float model and "
+                         f"quantize it after loading (--quantize)")
     out = Path(out)
     prepare_output_dir(out, overwrite)
     types = replacement_types()

@@ -164,8 +164,10 @@ def _check_outputs(out: Path, overwrite: bool, eval_config: EvalConfig) -> None:
 
 
 def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit: float | None = None,
-             dtype="float32", device="cpu", progress: bool = True) -> dict:
-    """Perplexity and accounting of any causal LM (and lm-eval ``tasks`` when given); the results record."""
+             dtype="float32", device="cpu", quantize: str | None = None, progress: bool = True) -> dict:
+    """Perplexity and accounting of any causal LM (and lm-eval ``tasks`` when given); the results record.
+
+    ``quantize`` (a scheme of ``api.QUANTIZE_SCHEMES``) quantizes the model after loading."""
     for corpus in eval_config.corpora:
         check_corpus(corpus, "--ppl")
     if tasks:
@@ -173,7 +175,7 @@ def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit:
 
         if not lm_eval_available():  # fail before the (slow) perplexity evaluation
             raise ValueError("--tasks needs lm-eval: pip install 'retrofitter[lm-eval]'")
-    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device, quantize=quantize)
     method, ratio = "original", None
     if is_retrofitted_dir(model_name):
         info = json.loads((Path(model_name) / RETROFITTER_JSON).read_text())

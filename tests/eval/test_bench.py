@@ -170,6 +170,19 @@ def test_bench_cli_on_saved_model_dirs(tmp_path, capsys):
     assert "decode tok/s @ 16" in printed and "vs first" in printed
 
 
+def test_bench_cli_quantize_reports_stored_bytes(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "llama", "llama")
+    out = tmp_path / "bench.json"
+    code = main(["bench", str(model_dir), "--json", str(out), "--prefill-len", "8", "--contexts", "8",
+                 "--decode-tokens", "2", "--repeats", "1", "--warmup", "0", "--threads", "1", "--quiet",
+                 "--quantize", "int8-dynamic"])
+    assert code == 0
+    entry = json.loads(out.read_text())["models"][0]
+    assert entry["quantize"] == "int8-dynamic"
+    assert entry["decode"]["8"]["tokens_per_s"]["median"] > 0
+    assert entry["stored_bytes"] < 4 * entry["params"]["total"]  # int8 projections, float embeddings
+
+
 def test_bench_cli_rejects_bad_contexts(tmp_path):
     with pytest.raises(SystemExit):
         main(["bench", str(tmp_path), "--contexts", "8,abc"])

@@ -30,6 +30,12 @@ def _add_common(parser, json_flag: bool = True) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _add_quantize_flag(parser, schemes) -> None:
+    parser.add_argument("--quantize", choices=sorted(schemes), default=None,
+                        help="quantize the projections after loading (torchao; embeddings and LM head stay float): "
+                             + "; ".join(f"{name}: {s.description}" for name, s in schemes.items()))
+
+
 def _add_eval_flags(parser, flag: str, default: str) -> None:
     parser.add_argument(flag, dest="corpora", type=name_list, default=name_list(default),
                         help=f"comma-separated evaluation corpora (default {default}): built-in names, "
@@ -47,6 +53,7 @@ def _add_output_flags(parser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from ..modules.feature_maps import FEATURE_MAPS
+    from ..modules.quantize import QUANTIZE_SCHEMES
     from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 
     parser = argparse.ArgumentParser(prog="retrofitter", description=__doc__)
@@ -65,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tasks", type=name_list, default=(),
                           help="comma-separated lm-eval tasks or task YAML paths (needs the lm-eval extra)")
     evaluate.add_argument("--tasks-limit", type=float, default=None, help="lm-eval examples per task (or a fraction)")
+    _add_quantize_flag(evaluate, QUANTIZE_SCHEMES)
     _add_common(evaluate)
 
     compress = commands.add_parser("compress", help="LatentLLM-style training-free low-rank compression")
@@ -105,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed repetitions per model (default 3)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up repetitions (default 1)")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_quantize_flag(bench, QUANTIZE_SCHEMES)
     _add_common(bench)
 
     report = commands.add_parser("report", help="report.md + plots from results and bench JSONs in run dirs")
@@ -158,7 +167,7 @@ def cmd_eval(args) -> int:
     from ..jobs import eval_job
 
     return _show(eval_job(args.model, _eval_config(args, args.seq_len), tasks=args.tasks, tasks_limit=args.tasks_limit,
-                          dtype=args.dtype, device=args.device, progress=not args.quiet), args)
+                          dtype=args.dtype, device=args.device, quantize=args.quantize, progress=not args.quiet), args)
 
 
 def cmd_compress(args) -> int:
@@ -192,7 +201,7 @@ def cmd_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = [(label, *load_model(name, dtype=args.dtype, device=args.device))
+    models = [(label, *load_model(name, dtype=args.dtype, device=args.device, quantize=args.quantize))
               for label, name in zip(unique_labels(args.models), args.models)]
     bench = bench_models(models, prefill_len=args.prefill_len, contexts=args.contexts, decode_tokens=args.decode_tokens,
                          repeats=args.repeats, warmup=args.warmup, progress=not args.quiet)
@@ -230,8 +239,11 @@ USER_ERRORS = (RetrofitterError, ValueError, OSError, FloatingPointError)
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = getattr(logging, args.log_level.upper(), logging.WARNING)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if level >= logging.WARNING:  # torchao's import chatter (transformers imports it): missing GPU kernels
+        for noisy in ("torchao", "torch.utils._pytree"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
     debug = args.debug or os.environ.get("RETROFITTER_DEBUG", "") not in ("", "0")
     try:
         if getattr(args, "json", None):

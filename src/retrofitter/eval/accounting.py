@@ -15,7 +15,8 @@
   softmax layers. A cache after ``n`` tokens holds ``state_bytes_per_sequence + n · kv_bytes_per_token``
   bytes per sequence;
 * ``stored_bytes``: bytes of every tensor of the state dict (parameters and persistent buffers, e.g.
-  ``LatentLinear`` index buffers; tied tensors once) — what ``save_pretrained`` writes to safetensors.
+  ``LatentLinear`` index buffers; tied tensors once) — what ``save_pretrained`` writes to safetensors;
+  a quantized weight (``modules.quantize``) counts its int8 data, scales and zero points.
 
 Models without an adapter (``account_generic``): parameters from module types (projections = every
 ``nn.Linear`` except the LM head), KV bytes and attention MACs from the config assuming standard
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 from ..adapters import UnsupportedArchitectureError, adapter_for
 
-__all__ = ["Accounting", "account", "account_generic", "stored_bytes"]
+__all__ = ["Accounting", "account", "account_generic", "stored_bytes", "tensor_bytes", "tensor_leaves"]
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,25 @@ def _unique_param_count(modules) -> int:
     return count
 
 
+def tensor_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data: itself, or for a wrapper tensor subclass (torchao's
+    ``Int8Tensor``: int8 ``qdata`` [n, k], ``scale`` [n, 1], ``zero_point`` [n, 1]) its inner tensors
+    (``__tensor_flatten__``), recursively."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return [leaf for name in names for leaf in tensor_leaves(getattr(tensor, name))]
+    return [tensor]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` stores: Σ numel · element size over its ``tensor_leaves``."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in tensor_leaves(tensor))
+
+
 def stored_bytes(model: nn.Module) -> int:
-    """Σ numel · element size over the state dict's tensors, each tensor once (tied weights share one)."""
+    """Σ ``tensor_bytes`` over the state dict's tensors, each tensor once (tied weights share one)."""
     unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
-    return sum(t.numel() * t.element_size() for t in unique.values())
+    return sum(tensor_bytes(t) for t in unique.values())
 
 
 def _embedding_modules(model: nn.Module) -> list[nn.Module]:

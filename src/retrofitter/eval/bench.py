@@ -17,7 +17,8 @@ For each repetition ``r`` (``warmup`` discarded ones first, then ``repeats``) an
   the cache object returned by a prefill of ``n`` tokens (attributes, lists, dicts and layers, walked
   recursively, each storage counted once) — valid for any cache class, latent or constant-state too;
 * **KV bytes per token** from :func:`retrofitter.eval.accounting.account` (a module's own
-  ``cache_numbers_per_token()`` when it declares one).
+  ``cache_numbers_per_token()`` when it declares one), and the weights' ``stored_bytes`` (int8 data
+  and scales of a model quantized by ``modules.quantize``, whose scheme is under ``quantize``).
 
 Ratios are ``value(model) / value(first model)`` for every figure (a decode-speed ratio above 1 and
 a latency ratio below 1 both mean "faster than the first model").
@@ -36,6 +37,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..modules.quantize import quantized_scheme
 from .accounting import account
 from .resources import sampled_rss
 
@@ -232,7 +234,7 @@ def _accounting(model: nn.Module) -> dict:
     """Predicted figures (any causal LM; ``kv_bytes_per_token`` is None where the config cannot tell)."""
     accounting = account(model)
     return {"params": accounting.params_dict(), "kv_bytes_per_token": accounting.kv_bytes_per_token,
-            "dtype": accounting.dtype}
+            "dtype": accounting.dtype, "stored_bytes": accounting.stored_bytes, "quantize": quantized_scheme(model)}
 
 
 def unique_labels(names: list[str]) -> list[str]:

@@ -154,8 +154,8 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
              "Run directories: " + ", ".join(f"`{p}`" for p in run_dirs), ""]
     if results:
         lines += ["## Quality and size", "",
-                  "Perplexity per evaluation corpus (lower is better); params in millions; "
-                  "KV B/token: bytes the decoding cache grows by per token.", "",
+                  "Perplexity per evaluation corpus (lower is better); params in millions; weights: stored "
+                  "bytes of the state dict; KV B/token: bytes the decoding cache grows by per token.", "",
                   format_results_table(results, markdown=True), ""]
         cost = format_cost_table(results)
         if cost:

@@ -12,10 +12,10 @@ where part_j(x) [..., w_j] is cut into ``groups`` equal slices part_j(x)_i [...,
 (``groups = 1``: plain concatenation [part_1(x), part_2(x), ...]; GPT-NeoX: groups = heads).
 
 While every part is a plain, unhooked ``nn.Linear`` the forward is one ``F.linear`` with the
-re-assembled fused weight, i.e. the original computation bit for bit; otherwise (a compressed or
-LoRA-wrapped part, or forward hooks on a part: pipelines observe the parts' inputs) each part runs as a
-module of its own and the outputs are interleaved (a pure permutation of output entries; equal to the
-fused product up to float rounding).
+re-assembled fused weight, i.e. the original computation bit for bit; otherwise (a compressed,
+quantized or LoRA-wrapped part, or forward hooks on a part: pipelines observe the parts' inputs) each
+part runs as a module of its own and the outputs are interleaved (a pure permutation of output
+entries; equal to the fused product up to float rounding).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class FusedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = list(self.parts().values())
-        if all(type(module) is nn.Linear and not _hooked(module) for module in parts):
+        if all(type(module) is nn.Linear and type(module.weight) is nn.Parameter and not _hooked(module)
+               for module in parts):
             weight, bias = self._fused_parameters(parts)
             return F.linear(x, weight, bias)
         outputs = [module(x) for module in parts]  # [..., w_j]

@@ -150,6 +150,14 @@ class LatentAttention(nn.Module):
     def output_projection(self) -> nn.Module:
         return self.projection("o")
 
+    def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
+        """Weights this module reshapes itself instead of applying through ``F.linear``: B_k and B_v when
+        absorbed (split per head for the latent-space einsums), none otherwise. A weight quantizer must
+        leave them plain (``modules.quantize``)."""
+        if not self.absorbed:
+            return ()
+        return tuple(_decompression(self.projection(role))[0] for role in ("k", "v"))
+
     def cache_numbers_per_token(self) -> int:
         """Cached latent numbers per token in this layer: r_k + r_v (position ids aside)."""
         return _latent_width(self.projection("k")) + _latent_width(self.projection("v"))

@@ -171,7 +171,11 @@ class LatentLinear(nn.Module):
         if self.junction:
             if self.pivots_lead():
                 flat = x.reshape(-1, self.in_features)  # a view for contiguous x
-                z = torch.addmm(flat[:, : self.rank], flat[:, self.rank :], self.mix.T)
+                head, rest = flat[:, : self.rank], flat[:, self.rank :]
+                if type(self.mix) is nn.Parameter:
+                    z = torch.addmm(head, rest, self.mix.T)
+                else:  # a tensor subclass (modules.quantize: int8) computes its own F.linear
+                    z = head + F.linear(rest, self.mix)
                 return z.reshape(*x.shape[:-1], self.rank)
             return self.latent_gathered(x)
         return F.linear(x, self.down)
