@@ -10,6 +10,7 @@ Variants ("parts"), each at every ratio, same total linear-parameter budget:
     rootcov_global_fisher    local rootcov, global allocation priced by loss gradients ("fisher")
     latentllm_global_fisher  joint QK + joint UD with global "fisher" allocation (= ``--method latentllm``)
     rootcov_global    local rootcov, global allocation with the "relative" weighting
+    latentllm_global_fisher_kv50  latentllm with a second budget: latent k/v widths <= 0.5 x the original KV
     rootcov_refit     local rootcov, each group's statistics after the groups before it are replaced, uniform
     rootcov_teacher_target                 local rootcov fitted to the original's outputs, uniform ranks
     rootcov_global_fisher_teacher_target   the same with global fisher allocation
@@ -58,6 +59,7 @@ PARTS: dict[str, dict] = {
     "latentllm_global_fisher": dict(_LATENT, allocation="global", allocation_weighting="fisher"),
     "rootcov_global": dict(method="asvd-rootcov", allocation="global", allocation_weighting="relative"),
     "latentllm_global": dict(_LATENT, allocation="global", allocation_weighting="relative"),
+    "latentllm_global_fisher_kv50": dict(_LATENT, allocation="global", allocation_weighting="fisher", kv_ratio=0.5),
     "rootcov_refit": dict(method="asvd-rootcov", refit_within_layer=True, **_UNIFORM),
     # teacher-target correction (linalg/teacher_target.py): each fit reproduces the original model's outputs
     "rootcov_teacher_target": dict(method="asvd-rootcov", statistics="teacher_target", refit_within_layer=True,

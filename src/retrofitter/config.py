@@ -110,6 +110,8 @@ class CompressConfig(_JsonRoundTrip):
                                         choices=ALLOCATION_WEIGHTINGS)
     allocation_min_keep: float = _option(0.0, "global allocation: each matrix keeps at least this fraction")
     allocation_gradient_blocks: int = _option(8, "fisher weighting: calibration blocks of the backward passes")
+    kv_ratio: float | None = _option(None, "global allocation: the latent k/v widths cache at most this fraction of "
+                                     "the original's k/v numbers per token (second budget, solved with the first)")
 
     def __post_init__(self):
         self._check_finite()
@@ -140,6 +142,12 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"mlp_algorithm must be 'streaming' or 'auxiliary', got {self.mlp_algorithm!r}")
         if not 0.0 <= self.allocation_min_keep < 1.0 - self.ratio + 1e-12:
             raise ValueError(f"allocation_min_keep must lie in [0, 1 - ratio], got {self.allocation_min_keep}")
+        if self.kv_ratio is not None:
+            if not 0.0 < self.kv_ratio <= 1.0:
+                raise ValueError(f"kv_ratio must lie in (0, 1], got {self.kv_ratio}")
+            if self.allocation != "global":
+                raise ValueError("kv_ratio (--kv-ratio) is a budget of the global allocation: use --allocation global "
+                                 "(the default of latentllm)")
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}")
         if self.batch_size < 1:

@@ -173,3 +173,44 @@ def test_spectra_from_cached_svds_equal_the_stream_spectra_and_drive_a_global_pl
     fisher_plan, fisher_report = teacher_global_plan(original, fisher_config, moments, cache, tokens)
     assert teacher_global_plan(original, fisher_config, moments, cache, importance=fisher_report["importance"])[0] \
         == fisher_plan
+
+
+def test_kv_budget_is_met_and_binding_and_the_parameter_budget_still_holds():
+    from retrofitter.pipelines.allocation import RankItem, allocate_ranks, kept_gain
+
+    g = torch.Generator().manual_seed(0)
+    items = {(layer, name): RankItem(24, 16 if name in ("k", "v") else 24,
+                                     torch.rand(16 if name in ("k", "v") else 24, generator=g,
+                                                dtype=torch.float64).sort(descending=True).values * (3 if name in ("k", "v") else 1))
+             for layer in range(3) for name in ("q", "k", "v", "o")}
+    budget = 0.6 * sum(i.d_in * i.d_out for i in items.values())
+    kv_keys = frozenset(k for k in items if k[1] in ("k", "v"))
+    free = allocate_ranks(items, budget, True, "relative")
+    assert allocate_ranks(items, budget, True, "relative", kv_keys=kv_keys) == free  # no KV budget: unchanged
+    free_kv = sum(free[k] for k in kv_keys)
+    kv_budget = free_kv // 2
+    for price in (0.0, 5.0, 50.0):
+        plan = allocate_ranks(items, budget, True, "relative", kv_keys=kv_keys, kv_budget=kv_budget, kv_price=price)
+        assert sum(plan[k] for k in kv_keys) <= kv_budget
+        used = sum(factor_param_count(items[k].d_in, items[k].d_out, r, True) for k, r in plan.items())
+        assert used <= budget
+    plan = allocate_ranks(items, budget, True, "relative", kv_keys=kv_keys, kv_budget=kv_budget)
+    assert sum(plan[k] for k in kv_keys) == kv_budget  # binding: the free plan wanted more
+    assert kept_gain(items, plan, "relative") <= kept_gain(items, free, "relative")
+
+
+def test_kv_ratio_bounds_the_latent_cache_of_a_compressed_model():
+    from tiny_models import build_tiny
+
+    model = build_tiny("llama")
+    layout = adapter_for(model).attention_layout(model)
+    layers = len(adapter_for(model).decoder_layers(model))
+    full = 2 * layout.n_kv_heads * layout.head_dim * layers
+    ids = torch.randint(3, 90, (8, 32), generator=torch.Generator().manual_seed(1))
+    config = CompressConfig(method="latentllm", ratio=0.3, kv_ratio=0.5, allocation_weighting="relative", batch_size=4)
+    model, report = compress_model(model, config, ids, progress=False)
+    assert report["cache_numbers_per_token"] <= 0.5 * full
+    assert report["allocation"]["kv_used_numbers"] == report["cache_numbers_per_token"]
+    assert report["allocation"]["allocation_used"] <= report["allocation"]["allocation_budget"]
+    with pytest.raises(ValueError, match="--allocation global"):
+        CompressConfig(method="asvd-rootcov", ratio=0.3, kv_ratio=0.5)

@@ -45,7 +45,8 @@ from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
 from .calibration import LayerStream, collect_input_moments
 
-__all__ = ["RankItem", "WEIGHTINGS", "RANK_PLANS", "allocate_ranks", "weighted_spectra", "uniform_plan", "global_plan",
+__all__ = ["RankItem", "WEIGHTINGS", "RANK_PLANS", "KV_PRICE_MULTIPLES", "allocate_ranks", "allocate_with_kv_budget",
+           "kept_gain", "weighted_spectra", "uniform_plan", "global_plan",
            "plan_from_items", "output_gradient_importance", "make_planner"]
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,13 @@ def _step_cost(item: RankItem, rank: int, junction: bool) -> int:
 
 
 def allocate_ranks(items: dict, budget: float, junction: bool = True, weighting: str = "relative",
-                   min_ranks: dict | None = None, scale: float = 1.0) -> dict:
+                   min_ranks: dict | None = None, scale: float = 1.0, kv_keys=frozenset(),
+                   kv_budget: float | None = None, kv_price: float = 0.0) -> dict:
     """Greedy water-filling (module docstring): key -> rank with Σ params ≤ budget.
 
     ``min_ranks`` (key -> rank, default 1) are granted first; ``ValueError`` if they alone exceed the budget.
+    Second budget (design.md §6): the ranks of ``kv_keys`` (latent k/v widths: each rank is one cached number
+    per token) sum to at most ``kv_budget``; a rank step of such a matrix is priced Δp + ``kv_price`` (μ Δk).
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"unknown allocation weighting {weighting!r}; choose from {sorted(WEIGHTINGS)}")
@@ -104,6 +108,10 @@ def allocate_ranks(items: dict, budget: float, junction: bool = True, weighting:
     used = sum(factor_param_count(item.d_in, item.d_out, ranks[key], junction) for key, item in items.items())
     if used > budget:
         raise ValueError(f"the minimum ranks alone need {used} parameters, more than the budget {budget:.0f}")
+    kv_used = sum(ranks[key] for key in kv_keys)
+    if kv_budget is not None and kv_used > kv_budget:
+        raise ValueError(f"the minimum k/v ranks alone cache {kv_used} numbers per token, more than the KV budget "
+                         f"{kv_budget:.0f}")
     gains = {key: WEIGHTINGS[weighting](item, scale).to(torch.float64).tolist() for key, item in items.items()}
     limits = {key: min(max_useful_rank(item.d_in, item.d_out, junction), len(gains[key])) for key, item in items.items()}
     heap: list = []
@@ -112,7 +120,8 @@ def allocate_ranks(items: dict, budget: float, junction: bool = True, weighting:
         rank = ranks[key]
         if rank < limits[key]:
             cost = _step_cost(items[key], rank, junction)
-            heapq.heappush(heap, (-gains[key][rank] / cost, cost, str(key), key))
+            price = cost + (kv_price if key in kv_keys else 0.0)
+            heapq.heappush(heap, (-gains[key][rank] / price, cost, str(key), key))
 
     for key in items:
         push(key)
@@ -120,10 +129,44 @@ def allocate_ranks(items: dict, budget: float, junction: bool = True, weighting:
         _, cost, _, key = heapq.heappop(heap)
         if used + cost > budget:
             continue  # this matrix cannot grow any more within the budget
+        if key in kv_keys and kv_budget is not None and kv_used + 1 > kv_budget:
+            continue  # nor within the KV budget
         ranks[key] += 1
         used += cost
+        kv_used += key in kv_keys
         push(key)
     return ranks
+
+
+def kept_gain(items: dict, plan: dict, weighting: str, scale: float = 1.0) -> float:
+    """Σ_m Σ_{i < r_m} g_m(i): the weighted error the plan keeps (what the greedy maximises)."""
+    return sum(float(WEIGHTINGS[weighting](items[key], scale)[:rank].sum()) for key, rank in plan.items())
+
+
+# Lagrange prices μ tried for a rank step of k/v, in units of the median parameter cost of a rank step
+KV_PRICE_MULTIPLES = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def allocate_with_kv_budget(items: dict, budget: float, config: CompressConfig, min_ranks, scale: float):
+    """Both budgets (design.md §6): parameters ≤ ``budget`` and Σ latent k/v widths ≤ kv_ratio × the
+    original's k/v numbers per token. Each μ of ``KV_PRICE_MULTIPLES`` gives a greedy plan that meets both
+    (the KV budget as a hard limit); the plan keeping the most weighted error wins. Returns (plan, report)."""
+    kv_keys = frozenset(key for key in items if key[1] in ("k", "v"))
+    if not kv_keys:
+        raise ValueError("--kv-ratio budgets the latent k/v cache: k and v must be among the compressed targets")
+    full = sum(items[key].d_out for key in kv_keys)  # n_kv · d_h per layer, for k and for v
+    kv_budget = math.floor(config.kv_ratio * full)
+    unit = float(torch.tensor([_step_cost(item, 1, config.junction) for item in items.values()]).median())
+    best = None
+    for multiple in KV_PRICE_MULTIPLES:
+        plan = allocate_ranks(items, budget, config.junction, config.allocation_weighting, min_ranks, scale,
+                              kv_keys, kv_budget, multiple * unit)
+        value = kept_gain(items, plan, config.allocation_weighting, scale)
+        if best is None or value > best[0]:
+            best = (value, multiple, plan)
+    _, multiple, plan = best
+    return plan, {"kv_budget_numbers": kv_budget, "kv_original_numbers": full,
+                  "kv_used_numbers": sum(plan[key] for key in kv_keys), "kv_price_multiple": multiple}
 
 
 def weighted_spectra(weight: torch.Tensor, moment: torch.Tensor, damping: float) -> torch.Tensor:
@@ -246,7 +289,11 @@ def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, imp
     if config.allocation_min_keep > 0:
         min_ranks = {key: rank_for_keep_fraction(item.d_in, item.d_out, config.allocation_min_keep, config.junction)
                      for key, item in items.items()}
-    plan = allocate_ranks(items, budget, config.junction, config.allocation_weighting, min_ranks, scale)
+    kv_report = {}
+    if config.kv_ratio is not None:
+        plan, kv_report = allocate_with_kv_budget(items, budget, config, min_ranks, scale)
+    else:
+        plan = allocate_ranks(items, budget, config.junction, config.allocation_weighting, min_ranks, scale)
     used = sum(factor_param_count(items[k].d_in, items[k].d_out, r, config.junction) for k, r in plan.items())
     keep_by_name = {}
     for name in sorted({name for _, name in items}):
@@ -256,7 +303,7 @@ def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, imp
     log.info("global allocation: %d of %.0f budget parameters; keep fraction by projection %s", used, budget,
              {k: round(v, 3) for k, v in keep_by_name.items()})
     report = {"allocation_budget": budget, "allocation_used": used, "keep_fraction_by_projection": keep_by_name,
-              "keep_fraction_by_layer": _keep_by_layer(items, plan, config.junction)}
+              "keep_fraction_by_layer": _keep_by_layer(items, plan, config.junction), **kv_report}
     if importance:
         report["output_gradient_importance"] = {f"{i}.{n}": f for (i, n), f in sorted(importance.items())}
     return plan, report
