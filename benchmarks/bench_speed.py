@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from retrofitter.api import load_model, write_json
-from retrofitter.eval.bench import bench_models, format_bench_table, unique_labels
+from retrofitter.eval.bench import bench_models, unique_labels
+from retrofitter.eval.bench_table import format_bench_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REFERENCE = "smollm2-135m"

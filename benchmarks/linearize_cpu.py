@@ -26,7 +26,8 @@ from retrofitter.config import LINEARIZE_PRESETS, LinearizeConfig
 from retrofitter.data.blocks import token_blocks
 from retrofitter.data.corpora import load_text
 from retrofitter.eval.accounting import account
-from retrofitter.eval.bench import bench_models, format_bench_table
+from retrofitter.eval.bench import bench_models
+from retrofitter.eval.bench_table import format_bench_table
 from retrofitter.eval.perplexity import perplexity
 from retrofitter.eval.resources import peak_rss_mb
 

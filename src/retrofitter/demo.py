@@ -39,7 +39,8 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
     from .data.blocks import calibration_blocks
     from .data.corpora import load_text
     from .data.fetch import fetch
-    from .eval.bench import bench_models, format_bench_table
+    from .eval.bench import bench_models
+    from .eval.bench_table import format_bench_table
     from .eval.report import write_report
 
     out = Path(out)

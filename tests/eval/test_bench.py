@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from retrofitter.cli import main
-from retrofitter.eval.bench import bench_models, cache_nbytes, format_bench_table, format_bytes, unique_labels
+from retrofitter.eval.bench import bench_models, cache_nbytes, unique_labels
+from retrofitter.eval.bench_table import format_bench_table, format_bytes
 from tiny_models import build_tiny, build_tiny_tokenizer, save_tiny_model_dir
 
 

@@ -197,7 +197,8 @@ def cmd_bench(args) -> int:
     import torch
 
     from ..api import load_model, write_json
-    from ..eval.bench import bench_models, format_bench_table, unique_labels
+    from ..eval.bench import bench_models, unique_labels
+    from ..eval.bench_table import format_bench_table
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bench import format_bench_table, machine_info
+from .bench import machine_info
+from .bench_table import format_bench_table
 from .plots import PLOTS
 from .table import format_results_table
 
