@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from .moments import damped
-from .svd import weighted_low_rank
+from .preconditioners import Preconditioner
+from .svd import weighted_low_rank, weighted_svd
 
 __all__ = ["fit_low_rank_map", "teacher_target_map", "teacher_target_factors"]
 
@@ -52,7 +53,14 @@ def teacher_target_map(W: torch.Tensor, cross_moment: torch.Tensor, second_momen
 
 
 def teacher_target_factors(W: torch.Tensor, cross_moment: torch.Tensor, second_moment: torch.Tensor, rank: int,
-                           damping: float = 1e-2, preconditioner: str = "rootcov") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-r (B [d′, r], A [r, d]) minimising E‖W x_t − B A x_c‖² from C_tc = E[x_t x_cᵀ] and C_cc = E[x_c x_cᵀ]."""
+                           damping: float = 1e-2, preconditioner: str | Preconditioner = "rootcov"
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-r (B [d′, r], A [r, d]) minimising E‖W x_t − B A x_c‖² from C_tc = E[x_t x_cᵀ] and C_cc = E[x_c x_cᵀ].
+
+    ``preconditioner``: a registry name, or the :class:`Preconditioner` already built from the damped
+    C_cc (projections that share an input share its eigendecomposition).
+    """
     target = teacher_target_map(W, cross_moment, second_moment, damping)
+    if isinstance(preconditioner, Preconditioner):
+        return weighted_svd(target, None, preconditioner).factors(rank)
     return weighted_low_rank(target, second_moment.to(target), rank, preconditioner, damping)

@@ -46,7 +46,7 @@ from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fr
 from .calibration import LayerStream, collect_input_moments
 
 __all__ = ["RankItem", "WEIGHTINGS", "RANK_PLANS", "KV_PRICE_MULTIPLES", "allocate_ranks", "allocate_with_kv_budget",
-           "kept_gain", "weighted_spectra", "uniform_plan", "global_plan",
+           "kept_gain", "weighted_spectra", "damped_root", "uniform_plan", "global_plan",
            "plan_from_items", "output_gradient_importance", "make_planner"]
 
 log = logging.getLogger(__name__)
@@ -169,10 +169,18 @@ def allocate_with_kv_budget(items: dict, budget: float, config: CompressConfig, 
                   "kv_used_numbers": sum(plan[key] for key in kv_keys), "kv_price_multiple": multiple}
 
 
-def weighted_spectra(weight: torch.Tensor, moment: torch.Tensor, damping: float) -> torch.Tensor:
-    """σ² of W (damped C)^{1/2}, descending [min(d', d)] (float64)."""
-    root, _ = symmetric_power(damped(moment.to(torch.float64), damping), 0.5)
+def weighted_spectra(weight: torch.Tensor, moment: torch.Tensor, damping: float,
+                     root: torch.Tensor | None = None) -> torch.Tensor:
+    """σ² of W (damped C)^{1/2}, descending [min(d', d)] (float64); ``root``: (damped C)^{1/2} if already known."""
+    if root is None:
+        root = damped_root(moment, damping)
     return torch.linalg.svdvals(weight.detach().to(root) @ root).pow(2)
+
+
+def damped_root(moment: torch.Tensor, damping: float) -> torch.Tensor:
+    """(C + damping·mean(diag C)·I)^{1/2} [d, d] (float64)."""
+    root, _ = symmetric_power(damped(moment.to(torch.float64), damping), 0.5)
+    return root
 
 
 def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Tensor, targets: list[str],
@@ -258,17 +266,21 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
     scale = None
     for index, layer in enumerate(layers):
         leaders = {leader_of[n]: adapter.get_linear(layer, leader_of[n]) for n in targets}
-        moments = collect_input_moments(layer, stream, leaders)
+        moments, stream = collect_input_moments(layer, stream, leaders, keep_outputs=True)  # one pass: both
         if scale is None:  # input energy of the first layer: a model-wide normalisation for "absolute"
             scale = float(torch.diagonal(next(iter(moments.values())).second_moment).sum())
+        roots: dict = {}  # (leader, centered) -> damped root: one eigendecomposition per distinct input
         for name in targets:
             linear = adapter.get_linear(layer, name)
             accumulator = moments[leader_of[name]]
-            moment = accumulator.covariance() if linear.bias is not None else accumulator.second_moment
+            centered = linear.bias is not None
+            moment = accumulator.covariance() if centered else accumulator.second_moment
+            key = (leader_of[name], centered)
+            if key not in roots:
+                roots[key] = damped_root(moment, config.damping)
             items[(index, name)] = RankItem(linear.in_features, linear.out_features,
-                                            weighted_spectra(linear.weight, moment, config.damping),
+                                            weighted_spectra(linear.weight, moment, config.damping, roots[key]),
                                             importance.get((index, name), 1.0))
-        stream = stream.advance(layer)
     return plan_from_items(items, config, scale or 1.0, importance)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters import ModelAdapter
 from ..linalg.moments import SecondMomentAccumulator
 
-__all__ = ["LayerStream", "capture_stream", "collect_input_moments"]
+__all__ = ["LayerStream", "capture_stream", "collect_input_moments", "layer_inputs"]
 
 
 @dataclass
@@ -61,41 +61,73 @@ def capture_stream(model: nn.Module, adapter: ModelAdapter, blocks: torch.Tensor
     return LayerStream(hidden, kwargs, token_count=blocks.numel())
 
 
+class _InputsCaptured(Exception):
+    """Raised by a pre-hook once every requested input was seen: the rest of the layer need not run."""
+
+
+@torch.no_grad()
+def layer_inputs(layer: nn.Module, modules: dict[str, nn.Module], hidden: torch.Tensor, kwargs: dict) -> dict:
+    """name -> the input [b, n, d] of each of ``modules`` (inside ``layer``) when ``layer`` runs on ``hidden``.
+
+    The layer stops at the last module's input (a forward pre-hook raises once all were seen): the
+    q/k/v inputs cost one norm, not a layer. A module the forward never calls is simply absent.
+    """
+    captured: dict = {}
+
+    def hook(name):
+        def record(_module, args):
+            captured.setdefault(name, args[0].detach())
+            if len(captured) == len(modules):
+                raise _InputsCaptured
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    try:
+        layer(hidden, **kwargs)
+    except _InputsCaptured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
 @torch.no_grad()
 def collect_input_moments(layer: nn.Module, stream: LayerStream, modules: dict[str, nn.Module],
                           on_batch: Callable[[int], None] | None = None,
                           keep_outputs: bool = False) -> dict[str, SecondMomentAccumulator]:
     """Second moments of the inputs of ``modules`` (name -> module inside ``layer``) over ``stream``.
 
-    Runs the layer once over every batch with forward hooks; returns name -> accumulator. Modules
-    that share an input should be passed once (one accumulator per distinct input). With
-    ``keep_outputs`` the layer outputs are returned too, as ``(accumulators, next_stream)``, so a
-    caller that needs both pays for one forward pass.
+    Runs the layer over every batch; returns name -> accumulator. Modules that share an input should
+    be passed once (one accumulator per distinct input). Without ``keep_outputs`` each batch stops at
+    the last requested input (:func:`layer_inputs`); with it the whole layer runs and its outputs are
+    returned too, as ``(accumulators, next_stream)``, so a caller that needs both pays for one pass.
     """
-    accumulators: dict[str, SecondMomentAccumulator] = {}
+    device = _statistics_device(layer)
+    accumulators = {name: SecondMomentAccumulator(module.in_features, device=device) for name, module in modules.items()}
+    if not keep_outputs:
+        for index, (h, kw) in enumerate(zip(stream.hidden, stream.layer_kwargs)):
+            for name, x in layer_inputs(layer, modules, h, kw).items():
+                accumulators[name].update(x)
+            if on_batch is not None:
+                on_batch(index)
+        return accumulators
     handles = []
     for name, module in modules.items():
-        dim = module.in_features
-        accumulators[name] = SecondMomentAccumulator(dim, device=_statistics_device(layer))
-
-        def hook(_module, args, _output, name=name):
+        def hook(_module, args, name=name):
             accumulators[name].update(args[0].detach())
 
-        handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_pre_hook(hook))
     outputs = []
     try:
         for index, (h, kw) in enumerate(zip(stream.hidden, stream.layer_kwargs)):
-            output = _layer_output(layer(h, **kw))
-            if keep_outputs:
-                outputs.append(output)
+            outputs.append(_layer_output(layer(h, **kw)))
             if on_batch is not None:
                 on_batch(index)
     finally:
         for handle in handles:
             handle.remove()
-    if keep_outputs:
-        return accumulators, LayerStream(outputs, stream.layer_kwargs, stream.token_count)
-    return accumulators
+    return accumulators, LayerStream(outputs, stream.layer_kwargs, stream.token_count)
 
 
 def _statistics_device(layer: nn.Module) -> torch.device:

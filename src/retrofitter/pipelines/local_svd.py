@@ -61,11 +61,13 @@ def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumul
     context.replace(name, replacement, entry(linear, replacement, proxy_error(linear.weight, B, A, moment), **extra))
 
 
-def fit_teacher_target(context: LayerContext, name: str, statistics: tuple) -> None:
+def fit_teacher_target(context: LayerContext, name: str, statistics: tuple, preconditioners: dict | None = None) -> None:
     """Replace projection ``name`` by its rank-``plan`` fit of the teacher's output W x_t from the compressed
     input x_c (linalg/teacher_target.py); ``statistics`` = (C_cc accumulator, mean of x_t, E[x_t x_cᵀ]).
 
     With a bias both streams are centered (Cov(x_c), Cov(x_t, x_c)) and b̂ = b + W μ_t − B A μ_c.
+    ``preconditioners`` ((id(accumulator), centered) -> (accumulator, P)) shares one eigendecomposition
+    between projections of one input.
     """
     config, linear = context.config, context.linear(name)
     moment_c, mean_t, cross = statistics
@@ -73,7 +75,14 @@ def fit_teacher_target(context: LayerContext, name: str, statistics: tuple) -> N
     has_bias = linear.bias is not None
     moment = moment_c.covariance() if has_bias else moment_c.second_moment
     cross_moment = cross.cross_moment - torch.outer(mean_t, moment_c.mean) if has_bias else cross.cross_moment
-    B, A = teacher_target_factors(linear.weight, cross_moment, moment, rank, config.damping, config.preconditioner)
+    key = (id(moment_c), has_bias)  # the accumulator is held in the value: its id cannot be reused meanwhile
+    _, shared = (preconditioners or {}).get(key, (None, None))
+    if shared is None:
+        shared = build_preconditioner(moment, linear.in_features, config.preconditioner, config.damping,
+                                      context.where(name), linear.weight.device)
+        if preconditioners is not None:
+            preconditioners[key] = (moment_c, shared)
+    B, A = teacher_target_factors(linear.weight, cross_moment, moment, rank, config.damping, shared)
     bias = None
     if has_bias:
         weight = linear.weight.detach().to(torch.float64)
@@ -113,7 +122,8 @@ class LocalSVDStrategy:
                     fit_local(context, name, context.precomputed[name], preconditioners, self.svd_cache)
             return
         if context.config.statistics == "teacher_target":
-            collect, fit = context.paired_moments, fit_teacher_target
+            collect = context.paired_moments
+            fit = lambda ctx, name, stats: fit_teacher_target(ctx, name, stats, preconditioners)  # noqa: E731
         else:
             collect = context.moments
             fit = lambda ctx, name, stats: fit_local(ctx, name, stats, preconditioners, self.svd_cache)  # noqa: E731

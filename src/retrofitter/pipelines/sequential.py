@@ -35,7 +35,7 @@ from ..config import CompressConfig
 from ..eval.resources import current_rss_mb, peak_rss_mb
 from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator
 from ..modules.latent_linear import LatentLinear
-from .calibration import LayerStream, capture_stream, collect_input_moments
+from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .diagnostics import calibration_diagnostics
 from .resume import RunDirectory, fingerprint
 
@@ -115,8 +115,8 @@ class LayerContext:
                  for name, m in modules.items()}
         teacher_modules = {name: self.adapter.get_linear(self.teacher_layer, name) for name in modules}
         for h_c, h_t, kwargs in zip(self.stream.hidden, self.teacher_stream.hidden, self.stream.layer_kwargs):
-            inputs_c = _captured_inputs(self.layer, modules, h_c, kwargs)
-            inputs_t = _captured_inputs(self.teacher_layer, teacher_modules, h_t, kwargs)
+            inputs_c = layer_inputs(self.layer, modules, h_c, kwargs)
+            inputs_t = layer_inputs(self.teacher_layer, teacher_modules, h_t, kwargs)
             for name, (moment, cross, sum_t) in stats.items():
                 moment.update(inputs_c[name])
                 cross.update(inputs_t[name], inputs_c[name])
@@ -152,24 +152,6 @@ class LayerStrategy(Protocol):
 
 def _device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
-
-
-def _captured_inputs(layer: nn.Module, modules: dict[str, nn.Module], hidden: torch.Tensor, kwargs: dict) -> dict:
-    """name -> the input of each of ``modules`` when ``layer`` runs on ``hidden`` (one batch)."""
-    captured: dict = {}
-
-    def hook(name):
-        def record(_module, args, _output) -> None:  # returns None: the module's output stays as it is
-            captured.setdefault(name, args[0].detach())
-        return record
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
-    try:
-        layer(hidden, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
 
 
 def target_names(adapter: ModelAdapter, config: CompressConfig) -> list[str]:
