@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS"]
+__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES"]
 
 # compress --method -> preconditioner of the local activation-aware SVD (design.md §3, paper Table 1)
 COMPRESS_METHODS: dict[str, str] = {
@@ -276,3 +276,61 @@ class EvalConfig(_JsonRoundTrip):
         if self.max_eval_tokens is not None and self.max_eval_tokens < self.seq_len:
             raise ValueError(f"max_eval_tokens ({self.max_eval_tokens}) is below one evaluation window "
                              f"({self.seq_len} tokens): no perplexity could be measured")
+
+
+# LoLCATs stage 2 / healing objective: KL to the original model's next-token distribution, or next-token NLL.
+LORA_LOSSES = ("kl", "next_token")
+
+
+@dataclass(frozen=True)
+class HealConfig(_JsonRoundTrip):
+    """Settings of ``retrofitter.heal`` (pipelines/heal.py): LoRA distillation of a converted model.
+
+    The student (the converted model) learns the teacher's (the original's) next-token distribution:
+    L = (1 − nll_weight) τ² KL(teacher ‖ student) + nll_weight · NLL, on blocks of ``seq_len`` tokens.
+    LoRA (rank ``lora_rank``, scale ``lora_alpha / lora_rank``) adapts ``targets`` (adapter projection
+    names; empty = every projection of a compressed model, q/k/v/o of a linearized one) and is merged
+    exactly afterwards. Budget: ``tokens`` (all processes together) and/or ``minutes`` of training,
+    whichever ends first. AdamW, ``lr`` with ``warmup_steps`` of linear warm-up, then cosine decay to
+    ``min_lr_ratio · lr`` over the budget. Resumable: the LoRA factors and the optimizer state are
+    written every ``checkpoint_every`` steps.
+    """
+
+    tokens: int = _option(65_536, "training tokens, all processes together (0: --minutes alone)")
+    minutes: float = _option(0.0, "training time budget in minutes (0: --tokens alone); the first budget spent stops")
+    seq_len: int = _option(512, "training block length")
+    batch_size: int = _option(1, "blocks per step and process")
+    lr: float = _option(5e-4, "peak AdamW learning rate")
+    warmup_steps: int = _option(10, "linear warm-up steps")
+    min_lr_ratio: float = _option(0.1, "the cosine schedule ends at this fraction of --lr")
+    lora_rank: int = _option(16, "LoRA rank")
+    lora_alpha: float = _option(32.0, "LoRA alpha (scale alpha / rank)")
+    nll_weight: float = _option(0.0, "weight of the next-token loss mixed with the KL (0: KL alone, 1: next-token alone)")
+    temperature: float = _option(1.0, "distillation temperature tau")
+    teacher_topk: int = _option(0, "cache the teacher's top-k log-probs to the work dir once (0: full teacher "
+                                "logits, the teacher runs beside the student)")
+    chunk_tokens: int = _option(256, "positions per loss chunk (memory of one chunk's logits)")
+    targets: tuple[str, ...] = _option((), "comma-separated projections to adapt (adapter names q,k,v,o,gate,up,down; "
+                                       "default: all of a compressed model, q,k,v,o of a linearized one)")
+    gradient_checkpointing: bool = _option(True, "recompute each decoder layer in backward (memory linear in the "
+                                           "sequence length)")
+    grad_clip: float = _option(1.0, "gradient-norm clip (0: none)")
+    checkpoint_every: int = _option(25, "steps between resume checkpoints in the work dir")
+    seed: int = _option(0, "random seed (LoRA init, data order)")
+
+    def __post_init__(self):
+        self._check_finite()
+        for name in ("tokens", "minutes", "warmup_steps", "nll_weight", "teacher_topk", "grad_clip", "min_lr_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tokens == 0 and self.minutes == 0:
+            raise ValueError("give a training budget: tokens > 0 (--tokens) or minutes > 0 (--minutes)")
+        for name in ("batch_size", "lora_rank", "chunk_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (next-token distributions), got {self.seq_len}")
+        if self.lr <= 0 or self.lora_alpha <= 0 or self.temperature <= 0:
+            raise ValueError("lr, lora_alpha and temperature must be > 0")
+        if self.nll_weight > 1 or self.min_lr_ratio > 1:
+            raise ValueError(f"nll_weight and min_lr_ratio must lie in [0, 1], got {self.nll_weight}, {self.min_lr_ratio}")
