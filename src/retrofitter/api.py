@@ -20,7 +20,7 @@ from .modules.quantize import QUANTIZE_SCHEMES, check_scheme, quantize_model, qu
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora"]
+           "finetune_lora", "heal"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -236,6 +236,19 @@ def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress:
     from .pipelines.lora import lora_finetune
 
     return lora_finetune(model, blocks, config or LinearizeConfig(), progress=progress)
+
+
+def heal(model: nn.Module, teacher: nn.Module | None, blocks: torch.Tensor, config=None, progress: bool = True,
+         work_dir=None, accelerator=None, on_step=None) -> tuple[nn.Module, dict]:
+    """Distil ``teacher`` (the original model) into the converted ``model`` in place: LoRA on its projections
+    (``LatentLinear`` factors, dense weights), KL between next-token distributions on ``blocks`` [N, seq_len],
+    merged exactly (same layout and ranks). ``config`` is a ``HealConfig``; ``work_dir`` makes it resumable.
+    Returns ``(model, report)``."""
+    from .config import HealConfig
+    from .pipelines.heal import heal_model
+
+    return heal_model(model, teacher, blocks, config or HealConfig(), accelerator=accelerator, work_dir=work_dir,
+                      progress=progress, on_step=on_step)
 
 
 def write_json(data: dict, path) -> Path:
