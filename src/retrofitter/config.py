@@ -23,6 +23,9 @@ COMPRESS_METHODS: dict[str, str] = {
 # the original model's, or both (teacher_target: fit W' x_c to the original output W x_t, linalg/teacher_target.py).
 STATISTICS = ("compressed", "teacher", "teacher_target")
 
+# LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
+LORA_LOSSES = ("kl", "next_token")
+
 # How global rank allocation compares the error of different matrices (pipelines/allocation.py).
 ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
 
@@ -169,8 +172,10 @@ class LinearizeConfig(_JsonRoundTrip):
       ``transfer_lr``, ``transfer_epochs``; ``transfer_mode`` ``joint`` (teacher forward of the whole
       model per batch) or ``blockwise`` (teacher inputs of each layer cached to disk once, layers
       trained one by one, resumable).
-    Stage 2 (LoRA, next-token loss): ``lora_tokens``, ``lora_lr``, ``lora_rank``, ``lora_alpha``,
-      ``lora_dropout``; merged into the weights afterwards. 0 tokens skips a stage.
+    Stage 2 (LoRA, the healing stage of pipelines/heal.py): ``lora_tokens``, ``lora_lr``, ``lora_rank``,
+      ``lora_alpha``; ``lora_loss`` ``kl`` (default: distillation from the original model, which keeps
+      the stage from adapting the model to the training text) or ``next_token`` (the LoLCATs paper's);
+      merged into the weights afterwards. 0 tokens skips a stage.
       ``gradient_checkpointing`` (default on): each decoder layer is recomputed in the backward pass,
       so activation memory is one layer's instead of all layers' (the hybrid layer keeps about 350 MB
       of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
@@ -195,7 +200,9 @@ class LinearizeConfig(_JsonRoundTrip):
     lora_lr: float = _option(1e-4, "stage 2 learning rate")
     lora_rank: int = _option(8, "stage 2 LoRA rank")
     lora_alpha: int = _option(16, "stage 2 LoRA alpha")
-    lora_dropout: float = _option(0.0, "stage 2 LoRA dropout")
+    lora_dropout: float = _option(0.0, "stage 2 LoRA dropout (must be 0: the LoRA factors are merged per tensor)")
+    lora_loss: str = _option("kl", "stage 2 objective: kl (distillation from the original model) or next_token",
+                             choices=LORA_LOSSES)
     grad_clip: float = _option(1.0, "gradient-norm clip of both stages (0: none)")
     gradient_checkpointing: bool = _option(True, "recompute each decoder layer in the LoRA backward (memory of "
                                            "one layer's activations instead of all, ~30 %% more time)")
@@ -216,6 +223,11 @@ class LinearizeConfig(_JsonRoundTrip):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (next-token loss), got {self.seq_len}")
+        if self.lora_loss not in LORA_LOSSES:
+            raise ValueError(f"lora_loss must be one of {', '.join(LORA_LOSSES)}, got {self.lora_loss!r}")
+        if self.lora_dropout:
+            raise ValueError("lora_dropout is not supported: stage 2 adapts weight tensors (LoRA merged per tensor), "
+                             "where input dropout has no place; use 0")
         if any(int(i) < 0 for i in self.keep_softmax_layers):
             raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
 
@@ -239,7 +251,17 @@ LINEARIZE_PRESETS: dict[str, dict] = {
                        "wiki-calib in 2048-token blocks (long blocks are what makes 2048-token contexts work), "
                        "blockwise transfer, LoRA lr 1e-3 with activation checkpointing",
         "config": {"transfer_tokens": 49_152, "lora_tokens": 24_576, "seq_len": 2048, "batch_size": 1,
-                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2},
+                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2,
+                   "lora_loss": "next_token"},  # the measured recipe; --lora-loss kl distils from the original
+        "eval_max_tokens": 16_384,
+    },
+    "quality": {
+        "description": "more time on CPU (SmolLM2-135M on 2 cores: about 1 h, estimated from cpu-small, not yet "
+                       "measured): 98k transfer + 98k LoRA tokens of wiki-calib at 2048, blockwise transfer (2 "
+                       "epochs), stage 2 distilled from the original (KL), LoRA rank 16",
+        "config": {"transfer_tokens": 98_304, "lora_tokens": 98_304, "seq_len": 2048, "batch_size": 1,
+                   "transfer_lr": 1e-2, "lora_lr": 5e-4, "transfer_mode": "blockwise", "transfer_epochs": 2,
+                   "lora_loss": "kl", "lora_rank": 16, "lora_alpha": 32},
         "eval_max_tokens": 16_384,
     },
     "gpu-small": {
@@ -277,9 +299,6 @@ class EvalConfig(_JsonRoundTrip):
             raise ValueError(f"max_eval_tokens ({self.max_eval_tokens}) is below one evaluation window "
                              f"({self.seq_len} tokens): no perplexity could be measured")
 
-
-# LoLCATs stage 2 / healing objective: KL to the original model's next-token distribution, or next-token NLL.
-LORA_LOSSES = ("kl", "next_token")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@
    ``joint`` mode runs the teacher model once per batch (all layers learn together);
    ``blockwise`` mode caches each layer's teacher inputs to disk once and trains layers one by one
    (resumable via ``progress.json``; with several processes, layer l trains on rank l mod world).
-3. Stage 2: LoRA with next-token loss, merged into the weights (``pipelines.lora``).
+3. Stage 2: LoRA trained by the healing stage (KL to the original model by default, or next-token
+   loss: ``lora_loss``), merged into the weights (``pipelines.lora``).
 
 Loops run under ``accelerate``: data are sharded by process and gradients averaged (stage 1 keeps
 its per-layer backward, so it all-reduces gradients itself instead of wrapping the model in DDP).
@@ -21,6 +22,7 @@ its per-layer backward, so it all-reduces gradients itself instead of wrapping t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -318,6 +320,9 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}
+    run_lora = lora_blocks is not None and config.lora_tokens > 0
+    # The KL teacher of stage 2: the model as it is before its attention is swapped.
+    teacher = copy.deepcopy(model).eval() if run_lora and config.lora_loss == "kl" else None
     start = time.perf_counter()
     replaced = swap_attention(model, config)
     timings["swap"] = time.perf_counter() - start
@@ -329,8 +334,9 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
         timings["transfer"] = report["transfer"]["seconds"]
         if on_stage:
             on_stage("transfer", model)
-    if lora_blocks is not None and config.lora_tokens > 0:
-        model, report["lora"] = lora_finetune(model, lora_blocks, config, accelerator, progress)
+    if run_lora:
+        model, report["lora"] = lora_finetune(model, lora_blocks, config, accelerator, progress, teacher=teacher)
+        del teacher
         timings["lora"] = report["lora"]["seconds"]
         if on_stage:
             on_stage("lora", model)
