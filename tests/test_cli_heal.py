@@ -67,3 +67,38 @@ def test_compress_with_heal_tokens_saves_the_healed_model(compressed_dir):
     plain, _ = retrofitter.load(tmp / "c")
     healed, _ = retrofitter.load(out)
     assert any(not torch.equal(a, b) for a, b in zip(plain.state_dict().values(), healed.state_dict().values()))
+
+
+@pytest.mark.parametrize("targets", ["gate,up,down", "q,o,gate,up,down"])
+def test_compressed_mlps_with_linearized_attention_then_one_distillation(compressed_dir, targets):
+    """compress (MLPs, optionally q/o) -> linearize the compressed directory -> heal all projections from the original."""
+    from retrofitter.adapters.hybrid_attention import hybrid_attention_modules
+
+    tmp, model_dir, corpus, _ = compressed_dir
+    mlp_only, linear, healed = tmp / "mlp", tmp / "mlp-lin", tmp / "mlp-lin-heal"
+    assert main(["compress", str(model_dir), "--ratio", "0.4", "--targets", targets, "--calib", str(corpus),
+                 "--calib-samples", "4", "--seq-len", "32", "--out", str(mlp_only), "--no-eval", "--quiet"]) == 0
+    assert main(["linearize", str(mlp_only), "--transfer-tokens", "256", "--lora-tokens", "0", "--window", "8",
+                 "--feature-dim", "8", "--seq-len", "32", "--batch-size", "2", "--train-corpus", str(corpus),
+                 "--out", str(linear), "--no-eval", "--quiet"]) == 0
+    info = json.loads((linear / "retrofitter.json").read_text())
+    assert info["original_model"] == str(model_dir) and info["method"] == "asvd-rootcov+lolcats"
+    assert original_model_of(linear) == str(model_dir)
+    assert main(["heal", str(linear), "--tokens", "512", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3",
+                 "--train-corpus", str(corpus), "--eval", str(corpus), "--out", str(healed), "--quiet",
+                 "--json", str(tmp / "lh.json")]) == 0
+    data = json.loads((tmp / "lh.json").read_text())
+    q_tensor = "self_attn.q_proj.up" if "q" in targets else "self_attn.q_proj.weight"
+    assert set(data["heal"]["targets"]) >= {q_tensor, "self_attn.k_proj.weight", "mlp.down_proj.up", "mlp.down_proj.mix"}
+    assert data["ppl"][str(corpus)] < data["before"]["ppl"][str(corpus)]
+    model, tokenizer = retrofitter.load(healed)
+    assert len(hybrid_attention_modules(model)) == 2
+    assert type(model.model.layers[0].mlp.up_proj) is LatentLinear
+    assert type(model.model.layers[0].self_attn.q_proj) is (LatentLinear if "q" in targets else torch.nn.Linear)
+    again, _ = retrofitter.load(healed)
+    with torch.no_grad():
+        ids = torch.randint(3, 60, (2, 40), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    ids = tokenizer("a truth", return_tensors="pt").input_ids
+    generated = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == ids.shape[1] + 5

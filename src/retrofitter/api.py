@@ -215,18 +215,19 @@ def global_plan_from_statistics(model: nn.Module, config: CompressConfig, statis
 
 def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | None = None,
               lora_blocks: torch.Tensor | None = None, progress: bool = True, work_dir=None, accelerator=None,
-              on_stage=None) -> tuple[nn.Module, dict]:
+              on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
     """LoLCATs in place (design.md §4): swap attention for the hybrid, stage 1 attention transfer on
     ``transfer_blocks`` [N, seq_len], stage 2 LoRA on ``lora_blocks`` then merge. Returns ``(model, report)``.
 
     ``config`` is a ``LinearizeConfig`` (default settings when None); ``work_dir`` holds the cached
-    teacher inputs of block-wise transfer (resumable); ``on_stage(name, model)`` runs after each stage.
+    teacher inputs of block-wise transfer (resumable); ``on_stage(name, model)`` runs after each stage;
+    ``teacher`` is the original model of the stage-2 KL (default: ``model`` as it was before the swap).
     """
     from .config import LinearizeConfig
     from .pipelines.linearize import linearize_model
 
     return linearize_model(model, config or LinearizeConfig(), transfer_blocks, lora_blocks, accelerator=accelerator,
-                           progress=progress, work_dir=work_dir, on_stage=on_stage)
+                           progress=progress, work_dir=work_dir, on_stage=on_stage, teacher=teacher)
 
 
 def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress: bool = True):

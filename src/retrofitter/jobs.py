@@ -143,18 +143,31 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     transfer_blocks = blocks[:n_transfer]
     lora_blocks = blocks[n_transfer:n_transfer + n_lora] if blocks.shape[0] >= n_transfer + n_lora else blocks[:n_lora]
     work_dir = Path(work_dir) if work_dir else out.parent / f".{out.name}.transfer"
-    model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir)
+    original_name, teacher = model_name, None
+    if is_retrofitted_dir(model_name):  # a conversion (e.g. compressed): stage 2 distils from its original
+        original_name = original_model_of(model_name)
+        if config.lora_tokens > 0 and config.lora_loss == "kl":
+            teacher, _ = load_model(original_name, dtype=dtype, device=device)
+    model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
+                              teacher=teacher)
+    del teacher
     timings.update(report["timings_s"])
     linearize_peak = peak_rss_mb()
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),
                 "preset": preset, "replaced_layers": report["replaced_layers"]}
+    if original_name != model_name:  # linearized on top of another conversion
+        base = read_retrofitter_json(model_name)
+        metadata.update(original_model=original_name, method=f"{base.get('method', 'retrofitted')}+lolcats",
+                        ratio=base.get("ratio"), base_conversion={k: v for k, v in base.items()
+                                                                  if k not in ("format_version", "replacements",
+                                                                               "versions")})
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
     if config.transfer_mode == "blockwise":
         shutil.rmtree(work_dir, ignore_errors=True)  # the cached teacher inputs, once the model is saved
     timings["save"] = time.perf_counter() - t0
-    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method="lolcats",
-                       baseline=before)
+    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=metadata["method"],
+                       ratio=metadata["ratio"], baseline=before)
     results["out"] = str(out)
     results["settings"].update({"linearize_config": config.to_dict(), "preset": preset, "train_corpus": train_corpus,
                                 "transfer_blocks": list(transfer_blocks.shape), "lora_blocks": list(lora_blocks.shape),
@@ -211,7 +224,8 @@ def original_model_of(model_dir) -> str:
         if name in seen:
             raise ValueError(f"{model_dir}: the source_model entries of retrofitter.json form a loop; pass --teacher")
         seen.add(name)
-        source = read_retrofitter_json(name).get("source_model")
+        info = read_retrofitter_json(name)
+        source = info.get("original_model") or info.get("source_model")
         if not source:
             raise ValueError(f"{name}: retrofitter.json names no source_model; pass --teacher")
         name = str(source)

@@ -313,16 +313,19 @@ def attention_transfer(model: nn.Module, blocks: torch.Tensor, config: Linearize
 
 def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: torch.Tensor | None,
                     lora_blocks: torch.Tensor | None, accelerator=None, progress: bool = True, work_dir=None,
-                    on_stage=None) -> tuple[nn.Module, dict]:
+                    on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
     """Swap + stage 1 + stage 2 in place. ``on_stage(name, model)`` is called after each stage
-    (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. Returns ``(model, report)``."""
+    (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. ``teacher``: the original
+    model of the stage-2 KL (default: a copy of ``model`` before the swap; pass the original when
+    ``model`` is itself a conversion, e.g. a compressed model). Returns ``(model, report)``."""
     check_linearize_config(config)
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}
     run_lora = lora_blocks is not None and config.lora_tokens > 0
     # The KL teacher of stage 2: the model as it is before its attention is swapped.
-    teacher = copy.deepcopy(model).eval() if run_lora and config.lora_loss == "kl" else None
+    if run_lora and config.lora_loss == "kl" and teacher is None:
+        teacher = copy.deepcopy(model).eval()
     start = time.perf_counter()
     replaced = swap_attention(model, config)
     timings["swap"] = time.perf_counter() - start
