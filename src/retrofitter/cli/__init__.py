@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also time one plain forward over the calibration tokens (compression cost ratio)")
     compress.add_argument("--heal-tokens", type=int, default=0,
                           help="heal the compressed model with this many tokens of distillation from the original "
-                               "(on --calib; default settings of `retrofitter heal`) before saving")
+                               "(on --calib, blocks of --seq-len; other settings as `retrofitter heal`) before saving")
     compress.add_argument("--heal-minutes", type=float, default=0.0, help="time budget of that healing (minutes)")
     _add_output_flags(compress)
     _add_eval_flags(compress, "--eval", "wiki-eval")
@@ -193,7 +193,7 @@ def cmd_compress(args) -> int:
     config = config_from_args(CompressConfig, args)
     heal_config = None
     if args.heal_tokens or args.heal_minutes:
-        heal_config = HealConfig(tokens=args.heal_tokens, minutes=args.heal_minutes)
+        heal_config = HealConfig(tokens=args.heal_tokens, minutes=args.heal_minutes, seq_len=args.seq_len)
     return _show(compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
                               calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
                               measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
