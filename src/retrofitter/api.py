@@ -20,7 +20,7 @@ from .modules.quantize import QUANTIZE_SCHEMES, check_scheme, quantize_model, qu
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora"]
+           "finetune_lora", "heal"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -215,18 +215,19 @@ def global_plan_from_statistics(model: nn.Module, config: CompressConfig, statis
 
 def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | None = None,
               lora_blocks: torch.Tensor | None = None, progress: bool = True, work_dir=None, accelerator=None,
-              on_stage=None) -> tuple[nn.Module, dict]:
+              on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
     """LoLCATs in place (design.md §4): swap attention for the hybrid, stage 1 attention transfer on
     ``transfer_blocks`` [N, seq_len], stage 2 LoRA on ``lora_blocks`` then merge. Returns ``(model, report)``.
 
     ``config`` is a ``LinearizeConfig`` (default settings when None); ``work_dir`` holds the cached
-    teacher inputs of block-wise transfer (resumable); ``on_stage(name, model)`` runs after each stage.
+    teacher inputs of block-wise transfer (resumable); ``on_stage(name, model)`` runs after each stage;
+    ``teacher`` is the original model of the stage-2 KL (default: ``model`` as it was before the swap).
     """
     from .config import LinearizeConfig
     from .pipelines.linearize import linearize_model
 
     return linearize_model(model, config or LinearizeConfig(), transfer_blocks, lora_blocks, accelerator=accelerator,
-                           progress=progress, work_dir=work_dir, on_stage=on_stage)
+                           progress=progress, work_dir=work_dir, on_stage=on_stage, teacher=teacher)
 
 
 def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress: bool = True):
@@ -236,6 +237,19 @@ def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress:
     from .pipelines.lora import lora_finetune
 
     return lora_finetune(model, blocks, config or LinearizeConfig(), progress=progress)
+
+
+def heal(model: nn.Module, teacher: nn.Module | None, blocks: torch.Tensor, config=None, progress: bool = True,
+         work_dir=None, accelerator=None, on_step=None) -> tuple[nn.Module, dict]:
+    """Distil ``teacher`` (the original model) into the converted ``model`` in place: LoRA on its projections
+    (``LatentLinear`` factors, dense weights), KL between next-token distributions on ``blocks`` [N, seq_len],
+    merged exactly (same layout and ranks). ``config`` is a ``HealConfig``; ``work_dir`` makes it resumable.
+    Returns ``(model, report)``."""
+    from .config import HealConfig
+    from .pipelines.heal import heal_model
+
+    return heal_model(model, teacher, blocks, config or HealConfig(), accelerator=accelerator, work_dir=work_dir,
+                      progress=progress, on_step=on_step)
 
 
 def write_json(data: dict, path) -> Path:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS"]
+__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES"]
 
 # compress --method -> preconditioner of the local activation-aware SVD (design.md §3, paper Table 1)
 COMPRESS_METHODS: dict[str, str] = {
@@ -22,6 +22,9 @@ COMPRESS_METHODS: dict[str, str] = {
 # Where layer l's statistics come from (pipelines/sequential.py): the compressed model's own activations,
 # the original model's, or both (teacher_target: fit W' x_c to the original output W x_t, linalg/teacher_target.py).
 STATISTICS = ("compressed", "teacher", "teacher_target")
+
+# LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
+LORA_LOSSES = ("kl", "next_token")
 
 # How global rank allocation compares the error of different matrices (pipelines/allocation.py).
 ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
@@ -169,8 +172,10 @@ class LinearizeConfig(_JsonRoundTrip):
       ``transfer_lr``, ``transfer_epochs``; ``transfer_mode`` ``joint`` (teacher forward of the whole
       model per batch) or ``blockwise`` (teacher inputs of each layer cached to disk once, layers
       trained one by one, resumable).
-    Stage 2 (LoRA, next-token loss): ``lora_tokens``, ``lora_lr``, ``lora_rank``, ``lora_alpha``,
-      ``lora_dropout``; merged into the weights afterwards. 0 tokens skips a stage.
+    Stage 2 (LoRA, the healing stage of pipelines/heal.py): ``lora_tokens``, ``lora_lr``, ``lora_rank``,
+      ``lora_alpha``; ``lora_loss`` ``kl`` (default: distillation from the original model, which keeps
+      the stage from adapting the model to the training text) or ``next_token`` (the LoLCATs paper's);
+      merged into the weights afterwards. 0 tokens skips a stage.
       ``gradient_checkpointing`` (default on): each decoder layer is recomputed in the backward pass,
       so activation memory is one layer's instead of all layers' (the hybrid layer keeps about 350 MB
       of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
@@ -195,7 +200,9 @@ class LinearizeConfig(_JsonRoundTrip):
     lora_lr: float = _option(1e-4, "stage 2 learning rate")
     lora_rank: int = _option(8, "stage 2 LoRA rank")
     lora_alpha: int = _option(16, "stage 2 LoRA alpha")
-    lora_dropout: float = _option(0.0, "stage 2 LoRA dropout")
+    lora_dropout: float = _option(0.0, "stage 2 LoRA dropout (must be 0: the LoRA factors are merged per tensor)")
+    lora_loss: str = _option("kl", "stage 2 objective: kl (distillation from the original model) or next_token",
+                             choices=LORA_LOSSES)
     grad_clip: float = _option(1.0, "gradient-norm clip of both stages (0: none)")
     gradient_checkpointing: bool = _option(True, "recompute each decoder layer in the LoRA backward (memory of "
                                            "one layer's activations instead of all, ~30 %% more time)")
@@ -216,6 +223,11 @@ class LinearizeConfig(_JsonRoundTrip):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (next-token loss), got {self.seq_len}")
+        if self.lora_loss not in LORA_LOSSES:
+            raise ValueError(f"lora_loss must be one of {', '.join(LORA_LOSSES)}, got {self.lora_loss!r}")
+        if self.lora_dropout:
+            raise ValueError("lora_dropout is not supported: stage 2 adapts weight tensors (LoRA merged per tensor), "
+                             "where input dropout has no place; use 0")
         if any(int(i) < 0 for i in self.keep_softmax_layers):
             raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
 
@@ -239,7 +251,17 @@ LINEARIZE_PRESETS: dict[str, dict] = {
                        "wiki-calib in 2048-token blocks (long blocks are what makes 2048-token contexts work), "
                        "blockwise transfer, LoRA lr 1e-3 with activation checkpointing",
         "config": {"transfer_tokens": 49_152, "lora_tokens": 24_576, "seq_len": 2048, "batch_size": 1,
-                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2},
+                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2,
+                   "lora_loss": "next_token"},  # the measured recipe; --lora-loss kl distils from the original
+        "eval_max_tokens": 16_384,
+    },
+    "quality": {
+        "description": "more time on CPU (SmolLM2-135M on 2 cores: about 1 h, estimated from cpu-small, not yet "
+                       "measured): 98k transfer + 98k LoRA tokens of wiki-calib at 2048, blockwise transfer (2 "
+                       "epochs), stage 2 distilled from the original (KL), LoRA rank 16",
+        "config": {"transfer_tokens": 98_304, "lora_tokens": 98_304, "seq_len": 2048, "batch_size": 1,
+                   "transfer_lr": 1e-2, "lora_lr": 5e-4, "transfer_mode": "blockwise", "transfer_epochs": 2,
+                   "lora_loss": "kl", "lora_rank": 16, "lora_alpha": 32},
         "eval_max_tokens": 16_384,
     },
     "gpu-small": {
@@ -276,3 +298,58 @@ class EvalConfig(_JsonRoundTrip):
         if self.max_eval_tokens is not None and self.max_eval_tokens < self.seq_len:
             raise ValueError(f"max_eval_tokens ({self.max_eval_tokens}) is below one evaluation window "
                              f"({self.seq_len} tokens): no perplexity could be measured")
+
+
+
+@dataclass(frozen=True)
+class HealConfig(_JsonRoundTrip):
+    """Settings of ``retrofitter.heal`` (pipelines/heal.py): LoRA distillation of a converted model.
+
+    The student (the converted model) learns the teacher's (the original's) next-token distribution:
+    L = (1 − nll_weight) τ² KL(teacher ‖ student) + nll_weight · NLL, on blocks of ``seq_len`` tokens.
+    LoRA (rank ``lora_rank``, scale ``lora_alpha / lora_rank``) adapts ``targets`` (adapter projection
+    names; empty = every projection of a compressed model, q/k/v/o of a linearized one) and is merged
+    exactly afterwards. Budget: ``tokens`` (all processes together) and/or ``minutes`` of training,
+    whichever ends first. AdamW, ``lr`` with ``warmup_steps`` of linear warm-up, then cosine decay to
+    ``min_lr_ratio · lr`` over the budget. Resumable: the LoRA factors and the optimizer state are
+    written every ``checkpoint_every`` steps.
+    """
+
+    tokens: int = _option(65_536, "training tokens, all processes together (0: --minutes alone)")
+    minutes: float = _option(0.0, "training time budget in minutes (0: --tokens alone); the first budget spent stops")
+    seq_len: int = _option(512, "training block length")
+    batch_size: int = _option(1, "blocks per step and process")
+    lr: float = _option(5e-4, "peak AdamW learning rate")
+    warmup_steps: int = _option(10, "linear warm-up steps")
+    min_lr_ratio: float = _option(0.1, "the cosine schedule ends at this fraction of --lr")
+    lora_rank: int = _option(16, "LoRA rank")
+    lora_alpha: float = _option(32.0, "LoRA alpha (scale alpha / rank)")
+    nll_weight: float = _option(0.0, "weight of the next-token loss mixed with the KL (0: KL alone, 1: next-token alone)")
+    temperature: float = _option(1.0, "distillation temperature tau")
+    teacher_topk: int = _option(0, "cache the teacher's top-k log-probs to the work dir once (0: full teacher "
+                                "logits, the teacher runs beside the student)")
+    chunk_tokens: int = _option(256, "positions per loss chunk (memory of one chunk's logits)")
+    targets: tuple[str, ...] = _option((), "comma-separated projections to adapt (adapter names q,k,v,o,gate,up,down; "
+                                       "default: all of a compressed model, q,k,v,o of a linearized one)")
+    gradient_checkpointing: bool = _option(True, "recompute each decoder layer in backward (memory linear in the "
+                                           "sequence length)")
+    grad_clip: float = _option(1.0, "gradient-norm clip (0: none)")
+    checkpoint_every: int = _option(25, "steps between resume checkpoints in the work dir")
+    seed: int = _option(0, "random seed (LoRA init, data order)")
+
+    def __post_init__(self):
+        self._check_finite()
+        for name in ("tokens", "minutes", "warmup_steps", "nll_weight", "teacher_topk", "grad_clip", "min_lr_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tokens == 0 and self.minutes == 0:
+            raise ValueError("give a training budget: tokens > 0 (--tokens) or minutes > 0 (--minutes)")
+        for name in ("batch_size", "lora_rank", "chunk_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (next-token distributions), got {self.seq_len}")
+        if self.lr <= 0 or self.lora_alpha <= 0 or self.temperature <= 0:
+            raise ValueError("lr, lora_alpha and temperature must be > 0")
+        if self.nll_weight > 1 or self.min_lr_ratio > 1:
+            raise ValueError(f"nll_weight and min_lr_ratio must lie in [0, 1], got {self.nll_weight}, {self.min_lr_ratio}")

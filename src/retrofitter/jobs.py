@@ -6,15 +6,17 @@ they return; a script can call them the same way. The record itself is built by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
 from pathlib import Path
 
 
-from .api import compress, evaluate, linearize, load_model, save
-from .checkpoint import RETROFITTER_JSON, check_writable, is_retrofitted_dir, output_lock, prepare_output_dir
-from .config import CompressConfig, EvalConfig, LinearizeConfig
+from .api import compress, evaluate, evaluation_blocks, heal, linearize, load_model, save
+from .checkpoint import (RETROFITTER_JSON, check_writable, is_retrofitted_dir, output_lock, prepare_output_dir,
+                         read_retrofitter_json)
+from .config import CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
 from .data.corpora import check_corpus, load_text
 from .eval.accounting import account
@@ -23,17 +25,20 @@ from .eval.resources import current_rss_mb, peak_rss_mb, sampled_rss
 from .pipelines.linearize import check_linearize_config
 from .pipelines.sequential import CalibrationError
 
-__all__ = ["compress_job", "linearize_job", "eval_job", "NO_EVAL"]
+__all__ = ["compress_job", "linearize_job", "eval_job", "heal_job", "original_model_of", "NO_EVAL"]
 
 NO_EVAL = EvalConfig(corpora=())  # accounting only, no perplexity
 
 
 def compress_job(model_name: str, out, config: CompressConfig, eval_config: EvalConfig = NO_EVAL, *,
                  calib: str = "wiki-calib", calib_samples: int = 64, seq_len: int = 512, overwrite: bool = False,
-                 measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True) -> dict:
+                 measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True,
+                 heal_config: HealConfig | None = None) -> dict:
     """Compress ``model_name`` on ``calib_samples`` blocks of ``seq_len`` tokens of ``calib``, save to ``out``
     (resumable through ``.OUT.partial`` beside it, removed once ``out`` is in place), evaluate; returns the
-    results record. Every argument is checked before any work; one run at a time may write ``out``."""
+    results record. Every argument is checked before any work; one run at a time may write ``out``.
+    ``heal_config`` (``--heal-tokens``): heal the compressed model (distillation from the original on
+    ``calib``) before saving; the record then holds ``before`` (compressed) and ``original`` too."""
     out = Path(out)
     if calib_samples < 1:
         raise ValueError(f"--calib-samples must be >= 1, got {calib_samples}")
@@ -43,11 +48,11 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
     _check_outputs(out, overwrite, eval_config)
     with output_lock(out):
         return _compress(model_name, out, config, eval_config, calib, calib_samples, seq_len, overwrite,
-                         measure_cost, dtype, device, progress)
+                         measure_cost, dtype, device, progress, heal_config)
 
 
 def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, seq_len, overwrite, measure_cost,
-              dtype, device, progress) -> dict:
+              dtype, device, progress, heal_config=None) -> dict:
     timings = {}
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
@@ -73,9 +78,16 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
                 "config": config.to_dict(), "calibration": {"corpus": calib, "blocks": calibration.shape[0],
                                                             "seq_len": seq_len},
                 "ranks": report["ranks"]}
+    healing = None
+    if heal_config is not None:
+        healing = _heal_stages(model, tokenizer, model_name, heal_config, eval_config, calib, out, progress,
+                               dtype, device, name=model_name, method=config.method, ratio=config.ratio)
+        model, metadata["heal"] = healing["model"], healing["metadata"]
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
     shutil.rmtree(partial, ignore_errors=True)  # only now: a failed save leaves the finished layers to resume from
+    if healing is not None:
+        shutil.rmtree(healing["work_dir"], ignore_errors=True)
     timings["save"] = time.perf_counter() - t0
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=config.method,
                        ratio=config.ratio, baseline=before)
@@ -93,6 +105,8 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
         results["cost"]["compress_over_calibration_forward"] = timings["compress"] / timings["calibration_forward"]
     results["allocation"] = report["allocation"]
     results["layers"] = report["layers"]
+    if healing is not None:
+        _add_heal_sections(results, healing)
     return results
 
 
@@ -129,18 +143,31 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     transfer_blocks = blocks[:n_transfer]
     lora_blocks = blocks[n_transfer:n_transfer + n_lora] if blocks.shape[0] >= n_transfer + n_lora else blocks[:n_lora]
     work_dir = Path(work_dir) if work_dir else out.parent / f".{out.name}.transfer"
-    model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir)
+    original_name, teacher = model_name, None
+    if is_retrofitted_dir(model_name):  # a conversion (e.g. compressed): stage 2 distils from its original
+        original_name = original_model_of(model_name)
+        if config.lora_tokens > 0 and config.lora_loss == "kl":
+            teacher, _ = load_model(original_name, dtype=dtype, device=device)
+    model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
+                              teacher=teacher)
+    del teacher
     timings.update(report["timings_s"])
     linearize_peak = peak_rss_mb()
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),
                 "preset": preset, "replaced_layers": report["replaced_layers"]}
+    if original_name != model_name:  # linearized on top of another conversion
+        base = read_retrofitter_json(model_name)
+        metadata.update(original_model=original_name, method=f"{base.get('method', 'retrofitted')}+lolcats",
+                        ratio=base.get("ratio"), base_conversion={k: v for k, v in base.items()
+                                                                  if k not in ("format_version", "replacements",
+                                                                               "versions")})
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
     if config.transfer_mode == "blockwise":
         shutil.rmtree(work_dir, ignore_errors=True)  # the cached teacher inputs, once the model is saved
     timings["save"] = time.perf_counter() - t0
-    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method="lolcats",
-                       baseline=before)
+    results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=metadata["method"],
+                       ratio=metadata["ratio"], baseline=before)
     results["out"] = str(out)
     results["settings"].update({"linearize_config": config.to_dict(), "preset": preset, "train_corpus": train_corpus,
                                 "transfer_blocks": list(transfer_blocks.shape), "lora_blocks": list(lora_blocks.shape),
@@ -187,3 +214,93 @@ def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit:
         limit = tasks_limit if tasks_limit is None or tasks_limit < 1 else int(tasks_limit)
         results["lm_eval"] = run_lm_eval(model, tokenizer, list(tasks), limit=limit)
     return results
+
+
+def original_model_of(model_dir) -> str:
+    """The original model a saved conversion came from: ``source_model`` of its retrofitter.json, followed
+    through conversions of conversions (``linearize`` run on a compressed directory)."""
+    name, seen = str(model_dir), set()
+    while is_retrofitted_dir(name):
+        if name in seen:
+            raise ValueError(f"{model_dir}: the source_model entries of retrofitter.json form a loop; pass --teacher")
+        seen.add(name)
+        info = read_retrofitter_json(name)
+        source = info.get("original_model") or info.get("source_model")
+        if not source:
+            raise ValueError(f"{name}: retrofitter.json names no source_model; pass --teacher")
+        name = str(source)
+    return name
+
+
+def heal_job(model_dir, out, config: HealConfig, eval_config: EvalConfig = NO_EVAL, *, teacher: str | None = None,
+             train_corpus: str = "wiki-calib", control: bool = False, overwrite: bool = False, dtype="float32",
+             device="cpu", progress: bool = True) -> dict:
+    """Heal the saved conversion ``model_dir`` by distillation from its original (``teacher``, default: the
+    ``source_model`` it was made from) on ``train_corpus``; save to ``out``; the results record with ``before``
+    (the conversion), ``original`` and, with ``control``, the original given the same distillation (≈ 1.0x).
+    Resumable through ``.OUT.heal`` beside ``out`` (removed once ``out`` is in place)."""
+    out = Path(out)
+    if not is_retrofitted_dir(model_dir):
+        raise ValueError(f"{model_dir} is not a saved retrofitter model (no {RETROFITTER_JSON}); heal takes the output "
+                         f"of compress or linearize")
+    teacher = teacher or original_model_of(model_dir)
+    check_corpus(train_corpus, "--train-corpus")
+    _check_outputs(out, overwrite, eval_config)
+    with output_lock(out):
+        info = read_retrofitter_json(model_dir)
+        model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
+        method = info.get("method", "retrofitted")
+        healing = _heal_stages(model, tokenizer, teacher, config, eval_config, train_corpus, out, progress, dtype, device,
+                               name=str(model_dir), method=method, ratio=info.get("ratio"), control=control)
+        metadata = {k: v for k, v in info.items() if k not in ("format_version", "replacements", "versions")}
+        metadata["heal"] = healing["metadata"]
+        save(healing["model"], out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+        shutil.rmtree(healing["work_dir"], ignore_errors=True)
+        results = evaluate(healing["model"], tokenizer, eval_config, progress=progress, blocks=healing["eval_blocks"],
+                           name=str(model_dir), method=f"{method}+heal", ratio=info.get("ratio"),
+                           baseline=healing["baseline"])
+        results["out"] = str(out)
+        results["settings"].update({"heal_config": config.to_dict(), "teacher": teacher, "train_corpus": train_corpus})
+        _add_heal_sections(results, healing)
+        return results
+
+
+def _heal_stages(model, tokenizer, teacher_name, config: HealConfig, eval_config, train_corpus, out: Path, progress,
+                 dtype, device, *, name, method, ratio, control: bool = False) -> dict:
+    """Evaluate the original and the conversion, heal (work dir ``.OUT.heal``), and the control when asked."""
+    teacher, _ = load_model(teacher_name, dtype=dtype, device=device)
+    eval_blocks = {c: evaluation_blocks(tokenizer, c, eval_config.seq_len, eval_config.max_eval_tokens)
+                   for c in eval_config.corpora}
+    baseline = account(teacher)
+    original = evaluate(teacher, tokenizer, eval_config, progress=progress, blocks=eval_blocks, name=teacher_name)
+    before = evaluate(model, tokenizer, eval_config, progress=progress, blocks=eval_blocks, name=name, method=method,
+                      ratio=ratio, baseline=baseline)
+    max_tokens = config.tokens if config.tokens and not config.minutes else None  # a time budget may loop the text
+    blocks = token_blocks(tokenizer, load_text(train_corpus), config.seq_len,
+                          max_tokens=max(max_tokens, config.seq_len) if max_tokens else None)
+    work_dir = out.parent / f".{out.name}.heal"
+    model, report = heal(model, teacher, blocks, config, progress=progress, work_dir=work_dir)
+    stages = {"model": model, "work_dir": work_dir, "eval_blocks": eval_blocks, "baseline": baseline,
+              "original": original, "before": before, "report": report,
+              "metadata": {"teacher": teacher_name, "train_corpus": train_corpus, "config": config.to_dict(),
+                           "steps": report["steps"], "tokens": report["tokens"], "seconds": report["seconds"]}}
+    if control and report["steps"]:
+        # The original given the same distillation (the tokens the heal used, no time budget): ≈ 1.0x by construction.
+        student, _ = load_model(teacher_name, dtype=dtype, device=device)
+        same = dataclasses.replace(config, tokens=report["tokens"], minutes=0.0)
+        student, control_report = heal(student, teacher, blocks, same, progress=progress)
+        stages["control"] = evaluate(student, tokenizer, eval_config, progress=progress, blocks=eval_blocks,
+                                     name=teacher_name, method="original+heal")
+        stages["control"]["heal"] = {k: v for k, v in control_report.items() if k != "loss_history"}
+    return stages
+
+
+def _add_heal_sections(results: dict, healing: dict) -> None:
+    """``original``, ``before``, ``control`` records, the heal report and ``ppl_over_original`` per stage."""
+    results["original"], results["before"], results["heal"] = healing["original"], healing["before"], healing["report"]
+    stages = {"before": healing["before"], "after": results}
+    if "control" in healing:
+        results["control"] = stages["control"] = healing["control"]
+    reference = healing["original"]["ppl"]
+    results["ppl_over_original"] = {stage: {c: record["ppl"][c] / reference[c] for c in reference}
+                                    for stage, record in stages.items()}

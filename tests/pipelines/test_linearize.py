@@ -17,7 +17,7 @@ from retrofitter.config import LinearizeConfig
 from retrofitter.eval.perplexity import block_nll
 from retrofitter.pipelines.linearize import attention_transfer, linearize_model, swap_attention, transfer_mse
 from retrofitter.pipelines.lora import lora_finetune
-from tiny_models import SAMPLE_TEXT, TINY_VOCAB, build_tiny, save_tiny_model_dir
+from tiny_models import SAMPLE_TEXT, TINY_VOCAB, build_tiny, save_tiny_model_dir, strong_tiny
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -77,21 +77,36 @@ def test_blockwise_transfer_matches_joint_and_resumes_skipping_done_layers(tmp_p
         attention_transfer(swapped(cfg), blocks(seed=1), cfg, progress=False, work_dir=tmp_path)
 
 
-def test_lora_stage_trains_merges_and_leaves_feature_maps_alone():
-    cfg = config(lora_lr=1e-2)
-    model = swapped(cfg)
+def _kl_to(model, teacher, ids):
+    from retrofitter.pipelines.distill import kl_divergence_sum
+
+    with torch.no_grad():
+        return float(kl_divergence_sum(model(ids).logits, teacher(ids).logits))
+
+
+@pytest.mark.parametrize("lora_loss", ["next_token", "kl"])
+def test_lora_stage_trains_merges_and_leaves_feature_maps_alone(lora_loss):
+    cfg = config(lora_lr=1e-2 if lora_loss == "next_token" else 3e-3, lora_loss=lora_loss)
+    teacher = strong_tiny("llama")  # the model before the swap (strong: its attention matters)
+    model = strong_tiny("llama")
+    swap_attention(model, cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         nll_before = float(block_nll(model, blocks()).sum())
-    merged, report = lora_finetune(model, blocks(), cfg, progress=False)
+    kl_before = _kl_to(model, teacher, blocks())
+    merged, report = lora_finetune(model, blocks(), cfg, progress=False, teacher=teacher)
     after = merged.state_dict()
     assert set(after) == set(before)  # merged: no LoRA tensors remain
     assert report["steps"] == 4 and report["targets"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
                            for k in changed)
-    with torch.no_grad():
-        assert float(block_nll(merged, blocks()).sum()) < nll_before  # the merged model fits its training data better
+    if lora_loss == "next_token":
+        with torch.no_grad():
+            assert float(block_nll(merged, blocks()).sum()) < nll_before  # it fits its training data better
+    else:
+        assert _kl_to(merged, teacher, blocks()) < 0.95 * kl_before  # it is closer to the original (4 steps)
+        assert report["loss"] == "kl"
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
@@ -178,7 +193,7 @@ WORKER = textwrap.dedent("""
     model = build_tiny("llama")
     swap_attention(model, cfg)
     data = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(0))
-    merged, report = lora_finetune(model, data, cfg, accelerator, progress=False)
+    merged, report = lora_finetune(model, data, cfg, accelerator, progress=False, teacher=build_tiny("llama"))
     rank = accelerator.process_index
     save_file({k: v.contiguous() for k, v in merged.state_dict().items()}, f"{sys.argv[1]}/rank{rank}.safetensors")
     json.dump({"processes": report["processes"], "steps": report["steps"]}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))

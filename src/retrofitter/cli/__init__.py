@@ -1,4 +1,4 @@
-"""Command line: ``retrofitter {fetch,compress,linearize,eval,bench,report,demo}``.
+"""Command line: ``retrofitter {fetch,compress,linearize,heal,eval,bench,report,demo}``.
 
 Each command maps its flags onto one function (``jobs``, ``demo``, ``eval.bench``, ``eval.report``)
 and prints / writes what it returns. The flags of ``compress`` and ``linearize`` are generated from
@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from ..checkpoint import check_writable
-from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, LinearizeConfig
+from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, name_list, positive_int_list
 
@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
     compress.add_argument("--measure-cost", action="store_true",
                           help="also time one plain forward over the calibration tokens (compression cost ratio)")
+    compress.add_argument("--heal-tokens", type=int, default=0,
+                          help="heal the compressed model with this many tokens of distillation from the original "
+                               "(on --calib, blocks of --seq-len; other settings as `retrofitter heal`) before saving")
+    compress.add_argument("--heal-minutes", type=float, default=0.0, help="time budget of that healing (minutes)")
     _add_output_flags(compress)
     _add_eval_flags(compress, "--eval", "wiki-eval")
     _add_common(compress)
@@ -103,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(linearize)
     _add_eval_flags(linearize, "--eval", "wiki-eval")
     _add_common(linearize)
+
+    heal = commands.add_parser("heal", help="distillation from the original model (LoRA, merged) that heals a "
+                               "compressed or linearized model")
+    heal.add_argument("model", help="a saved retrofitter directory (output of compress or linearize)")
+    add_config_flags(heal, HealConfig)
+    heal.add_argument("--teacher", default=None,
+                      help="the original model (default: the source_model recorded in the directory)")
+    heal.add_argument("--train-corpus", default="wiki-calib", help="training text (default wiki-calib)")
+    heal.add_argument("--control", action="store_true",
+                      help="also heal the original the same way and evaluate it (the control; ~1.0x by construction)")
+    _add_output_flags(heal)
+    _add_eval_flags(heal, "--eval", "wiki-eval")
+    _add_common(heal)
 
     bench = commands.add_parser("bench", help="measured prefill latency, decode speed, cache bytes and memory")
     bench.add_argument("models", nargs="+", help="models to compare (first is the reference for ratios)")
@@ -148,8 +165,8 @@ def _show(results: dict, args) -> int:
 
     for task, metrics in results.get("lm_eval", {}).get("tasks", {}).items():
         print(f"lm-eval {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None))
-    rows = [results["original"]] if "original" in results else []
-    print(format_results_table(rows + [results]))
+    rows = [results[k] for k in ("original", "before") if k in results]
+    print(format_results_table(rows + [results] + ([results["control"]] if "control" in results else [])))
     if args.json:
         write_json(results, args.json)
     return 0
@@ -174,10 +191,22 @@ def cmd_compress(args) -> int:
     from ..jobs import compress_job
 
     config = config_from_args(CompressConfig, args)
+    heal_config = None
+    if args.heal_tokens or args.heal_minutes:
+        heal_config = HealConfig(tokens=args.heal_tokens, minutes=args.heal_minutes, seq_len=args.seq_len)
     return _show(compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
                               calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
                               measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
-                              progress=not args.quiet), args)
+                              progress=not args.quiet, heal_config=heal_config), args)
+
+
+def cmd_heal(args) -> int:
+    from ..jobs import heal_job
+
+    config = config_from_args(HealConfig, args)
+    return _show(heal_job(args.model, args.out, config, _eval_config(args, config.seq_len), teacher=args.teacher,
+                          train_corpus=args.train_corpus, control=args.control, overwrite=args.overwrite,
+                          dtype=args.dtype, device=args.device, progress=not args.quiet), args)
 
 
 def cmd_linearize(args) -> int:
@@ -229,7 +258,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "linearize": cmd_linearize,
+COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "linearize": cmd_linearize, "heal": cmd_heal,
             "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 

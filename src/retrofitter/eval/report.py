@@ -16,7 +16,7 @@ from .bench_table import format_bench_table
 from .plots import PLOTS
 from .table import format_results_table
 
-__all__ = ["RunData", "collect_runs", "write_report", "format_cost_table"]
+__all__ = ["RunData", "collect_runs", "write_report", "format_cost_table", "format_heal_table"]
 
 
 @dataclass
@@ -93,6 +93,28 @@ def format_cost_table(results: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def format_heal_table(results: list[dict]) -> str:
+    """Markdown: perplexity of the original, the conversion before and after healing and the control (the
+    original healed the same way), each also over the original's, for every results record of a heal."""
+    rows = []
+    for result in results:
+        if "ppl_over_original" not in result:
+            continue
+        stages = {"original": result["original"], "before": result["before"], "after": result,
+                  **({"control": result["control"]} if "control" in result else {})}
+        for corpus, reference in result["original"]["ppl"].items():
+            cells = [f"{stages[s]['ppl'][corpus]:.2f} ({stages[s]['ppl'][corpus] / reference:.3f}x)"
+                     if s in stages else "-" for s in ("original", "before", "after", "control")]
+            heal = result.get("heal", {})
+            rows.append(f"| {result.get('method', '')} | {_ratio_text(result)} | {corpus} | " + " | ".join(cells)
+                        + f" | {heal.get('tokens', '-')} | {_seconds(heal.get('seconds'))} |")
+    if not rows:
+        return ""
+    header = ("| method | ratio | corpus | original | before heal | after heal | control | heal tokens | heal time |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+    return "\n".join([header, *rows])
+
+
 def _lm_eval_table(results: list[dict]) -> str:
     rows = []
     for r in results:
@@ -164,6 +186,12 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
                       "compress / forward: compression wall time over one plain forward pass over the same "
                       "calibration tokens; peak RSS / fp32 model: the process's peak memory during compression "
                       "over the size of the fp32 model.", "", cost, ""]
+        healing = format_heal_table(results)
+        if healing:
+            lines += ["## Healing", "",
+                      "Perplexity (and its ratio to the original's) before and after distillation from the original; "
+                      "control: the original given the same distillation (about 1.0x by construction).", "",
+                      healing, ""]
         downstream = _lm_eval_table(results)
         if downstream:
             lines += ["## Downstream tasks (lm-eval)", "", downstream, ""]

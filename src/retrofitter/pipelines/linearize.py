@@ -13,7 +13,8 @@
    ``joint`` mode runs the teacher model once per batch (all layers learn together);
    ``blockwise`` mode caches each layer's teacher inputs to disk once and trains layers one by one
    (resumable via ``progress.json``; with several processes, layer l trains on rank l mod world).
-3. Stage 2: LoRA with next-token loss, merged into the weights (``pipelines.lora``).
+3. Stage 2: LoRA trained by the healing stage (KL to the original model by default, or next-token
+   loss: ``lora_loss``), merged into the weights (``pipelines.lora``).
 
 Loops run under ``accelerate``: data are sharded by process and gradients averaged (stage 1 keeps
 its per-layer backward, so it all-reduces gradients itself instead of wrapping the model in DDP).
@@ -21,6 +22,7 @@ its per-layer backward, so it all-reduces gradients itself instead of wrapping t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -311,13 +313,19 @@ def attention_transfer(model: nn.Module, blocks: torch.Tensor, config: Linearize
 
 def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: torch.Tensor | None,
                     lora_blocks: torch.Tensor | None, accelerator=None, progress: bool = True, work_dir=None,
-                    on_stage=None) -> tuple[nn.Module, dict]:
+                    on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
     """Swap + stage 1 + stage 2 in place. ``on_stage(name, model)`` is called after each stage
-    (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. Returns ``(model, report)``."""
+    (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. ``teacher``: the original
+    model of the stage-2 KL (default: a copy of ``model`` before the swap; pass the original when
+    ``model`` is itself a conversion, e.g. a compressed model). Returns ``(model, report)``."""
     check_linearize_config(config)
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}
+    run_lora = lora_blocks is not None and config.lora_tokens > 0
+    # The KL teacher of stage 2: the model as it is before its attention is swapped.
+    if run_lora and config.lora_loss == "kl" and teacher is None:
+        teacher = copy.deepcopy(model).eval()
     start = time.perf_counter()
     replaced = swap_attention(model, config)
     timings["swap"] = time.perf_counter() - start
@@ -329,8 +337,9 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
         timings["transfer"] = report["transfer"]["seconds"]
         if on_stage:
             on_stage("transfer", model)
-    if lora_blocks is not None and config.lora_tokens > 0:
-        model, report["lora"] = lora_finetune(model, lora_blocks, config, accelerator, progress)
+    if run_lora:
+        model, report["lora"] = lora_finetune(model, lora_blocks, config, accelerator, progress, teacher=teacher)
+        del teacher
         timings["lora"] = report["lora"]["seconds"]
         if on_stage:
             on_stage("lora", model)

@@ -1,32 +1,32 @@
-"""Stage 2 of LoLCATs: LoRA on the attention projections with next-token loss, then merge.
+"""Stage 2 of LoLCATs: LoRA on the attention projections, trained by the healing stage, then merged.
 
-For every attention projection W ∈ {W_q, W_k, W_v, W_o} of every layer (PEFT):
+For every attention projection W ∈ {W_q, W_k, W_v, W_o} of every layer (``modules.low_rank_delta``):
 
     W' = W + (α / r) · B A,   A ∈ R^{r×d_in} (random), B ∈ R^{d_out×r} (zeros at start)
 
-trained on  L = −(1/T) Σ_t log p(u_{t+1} | u_{≤t})  over token blocks [N, seq_len]; everything else
-(including the feature maps from stage 1) is frozen. ``merge_and_unload`` folds BA into W, so the
-result has exactly the original parameter layout. The loop runs under ``accelerate``
-(``accelerator.prepare`` wraps the model in DDP when several processes run; gloo on CPU).
+trained by ``pipelines.heal`` on token blocks [N, seq_len] with ``config.lora_loss``: ``kl`` (default),
+KL(teacher ‖ student) of the next-token distributions with the original model as teacher, or
+``next_token``, L = −(1/T) Σ_t log p(u_{t+1} | u_{≤t}) (the LoLCATs paper's: it also adapts the model
+to the training text, which confounds the comparison with the original). Everything else (including
+the feature maps from stage 1) is frozen; merging folds BA into W, so the result has exactly the
+original parameter layout. The loop runs under ``accelerate`` (DDP with several processes; gloo on CPU).
 """
 
 from __future__ import annotations
 
-import time
-import warnings
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
-from ..config import LinearizeConfig
-from .training import make_accelerator
+from ..config import HealConfig, LinearizeConfig
+from .heal import ATTENTION_TARGETS, heal_model
 
-__all__ = ["LORA_TARGETS", "ChunkedNextTokenLoss", "lora_target_module_names", "lora_finetune"]
+__all__ = ["LORA_TARGETS", "ChunkedNextTokenLoss", "lora_target_module_names", "heal_config_for", "lora_finetune"]
 
-LORA_TARGETS = ("q", "k", "v", "o")  # adapter names of the projections LoLCATs adapts
+LORA_TARGETS = ATTENTION_TARGETS  # adapter names of the projections LoLCATs adapts
 
 
 def lora_target_module_names(model: nn.Module) -> list[str]:
@@ -77,67 +77,33 @@ class ChunkedNextTokenLoss(nn.Module):
         return total / targets.numel()
 
 
+def heal_config_for(config: LinearizeConfig, blocks: torch.Tensor) -> HealConfig:
+    """The healing-stage settings of LoLCATs stage 2: one pass over ``blocks`` [N, seq_len] at ``lora_lr``
+    (a short warm-up, then cosine), LoRA on q/k/v/o, KL or next-token loss as ``config.lora_loss`` says."""
+    steps = -(-blocks.shape[0] // config.batch_size)
+    return HealConfig(tokens=int(blocks.numel()), seq_len=int(blocks.shape[1]), batch_size=config.batch_size,
+                      lr=config.lora_lr, warmup_steps=min(10, steps // 10), lora_rank=config.lora_rank,
+                      lora_alpha=float(config.lora_alpha), nll_weight=1.0 if config.lora_loss == "next_token" else 0.0,
+                      targets=LORA_TARGETS, gradient_checkpointing=config.gradient_checkpointing,
+                      grad_clip=config.grad_clip, seed=config.seed)
+
+
 def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfig, accelerator=None,
-                  progress: bool = True) -> tuple[nn.Module, dict]:
+                  progress: bool = True, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
     """Train LoRA adapters on ``blocks`` [N, seq_len] and merge them; returns ``(merged_model, report)``.
 
-    Each process sees its shard of the blocks (``accelerator.prepare`` of the data loader); the
-    merged weights are identical on every process because DDP averages the LoRA gradients.
+    ``teacher``: the original model of the KL loss; None with ``lora_loss="kl"`` distils from a frozen copy
+    of ``model`` itself (the control: the original given the same stage). Each process reads its share of
+    the blocks; the merged weights are identical on every process because DDP averages the LoRA gradients.
     """
-    from peft import LoraConfig, get_peft_model
-
     if blocks.ndim != 2 or blocks.shape[1] < 2:
         raise ValueError(f"LoRA blocks must be [N, seq_len >= 2]; got {tuple(blocks.shape)}")
-    accelerator = accelerator or make_accelerator(next(model.parameters()).device)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                             target_modules=lora_target_module_names(model), bias="none")
-    # PEFT seeds A from the global generator: seed it so every process starts from the same adapters.
-    torch.manual_seed(config.seed)
-    with warnings.catch_warnings():
-        # PEFT probes transformers' deprecated `is_gradient_checkpointing`; the warning is theirs, not the user's.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = get_peft_model(model, lora_config)
-    if config.gradient_checkpointing:
-        # Non-reentrant checkpointing: recomputes each decoder layer in backward; needs no input grads.
-        peft_model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for p in trainable)
-    optimizer = torch.optim.AdamW(trainable, lr=config.lora_lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(config.seed)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(blocks), batch_size=config.batch_size,
-                                         shuffle=True, generator=generator)
-    objective, optimizer, loader = accelerator.prepare(ChunkedNextTokenLoss(peft_model), optimizer, loader)
-    objective.train()
-    losses = []
-    start = time.perf_counter()
-    for (ids,) in tqdm(loader, desc="LoRA", disable=not progress, leave=False):
-        loss = objective(ids)
-        accelerator.backward(loss)
-        if config.grad_clip:
-            accelerator.clip_grad_norm_(trainable, config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    seconds = time.perf_counter() - start
-    merged = accelerator.unwrap_model(objective).model.merge_and_unload()
-    if config.gradient_checkpointing:
-        merged.activation_checkpointing_disable()
-    merged.eval()
-    for p in merged.parameters():
-        p.requires_grad_(False)
-    window = max(1, len(losses) // 4)
-    report = {
-        "seconds": seconds,
-        "steps": len(losses),
-        "tokens_per_process": int(len(losses) * config.batch_size * blocks.shape[1]),
-        "processes": accelerator.num_processes,
-        "trainable_parameters": n_trainable,
-        "targets": lora_config.target_modules if isinstance(lora_config.target_modules, list)
-        else sorted(lora_config.target_modules),
-        "loss_first": sum(losses[:window]) / window if losses else None,
-        "loss_last": sum(losses[-window:]) / window if losses else None,
-        "loss_history": losses,
-    }
+    targets = lora_target_module_names(model)
+    if config.lora_loss == "kl" and teacher is None:
+        teacher = copy.deepcopy(model)
+    merged, report = heal_model(model, teacher if config.lora_loss == "kl" else None, blocks,
+                                heal_config_for(config, blocks), accelerator=accelerator, progress=progress,
+                                description=f"LoRA ({config.lora_loss})")
+    report["tokens_per_process"] = report["tokens"] // report["processes"]
+    report["targets"] = targets
     return merged, report
