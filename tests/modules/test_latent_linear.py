@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from retrofitter.linalg.svd import proxy_error
-from retrofitter.modules.latent_linear import LatentLinear
+from retrofitter.modules.latent_linear import FACTOR_FORMS, LatentLinear, factor_form, with_form
 
 
 def _linear_and_inputs(d_in=6, d_out=5, bias=True, seed=0, offset=0.0):
@@ -90,3 +90,49 @@ def test_from_factors_and_errors():
         LatentLinear(5, 4, 5)
     with pytest.raises(ValueError, match="bias must have shape"):
         LatentLinear.from_factors(B, A, bias=torch.zeros(3))
+
+
+# ---------------------------------------------------------------- factor forms (issue 15 item 2)
+
+
+@pytest.mark.parametrize("start", FACTOR_FORMS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_factor_form_gives_the_same_outputs(start, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 9, bias=bias, dtype=torch.float64)
+    B, A = torch.randn(9, 4, dtype=torch.float64), torch.randn(4, 12, dtype=torch.float64)
+    factored = LatentLinear.from_factors(B, A, bias=linear.bias.detach() if bias else None)
+    reference = factored(x := torch.randn(5, 3, 12, dtype=torch.float64))
+    module = with_form(factored, start)
+    assert factor_form(module) == start
+    for form in FACTOR_FORMS:
+        converted = with_form(module, form)
+        assert factor_form(converted) == form
+        torch.testing.assert_close(converted(x), reference, rtol=1e-10, atol=1e-10)
+
+
+def test_dense_to_factored_at_full_rank_is_exact_and_forms_round_trip_save_load(tmp_path):
+    from retrofitter.adapters import adapter_for
+    from retrofitter.checkpoint import load_retrofitted, save_retrofitted
+    from tiny_models import build_tiny
+
+    torch.manual_seed(0)
+    wide = torch.nn.Linear(12, 5, dtype=torch.float64)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    for form in ("plain", "junction"):
+        torch.testing.assert_close(with_form(wide, form)(x), wide(x), rtol=1e-10, atol=1e-10)
+    model = build_tiny("llama", dtype=torch.float64)
+    adapter = adapter_for(model)
+    layer = adapter.decoder_layers(model)[0]
+    forms = {"q": "plain", "k": "dense", "o": "junction"}
+    for name, form in forms.items():
+        factored = LatentLinear.from_linear(adapter.get_linear(layer, name), None, 4, preconditioner="plain")
+        adapter.set_linear(layer, name, with_form(factored, form))
+    model = model.float()  # saved weights are float32
+    ids = torch.randint(3, 90, (1, 7))
+    expected = model(ids).logits
+    save_retrofitted(model, tmp_path / "m", {})
+    loaded = load_retrofitted(tmp_path / "m")
+    loaded_layer = adapter_for(loaded).decoder_layers(loaded)[0]
+    assert {name: factor_form(adapter.get_linear(loaded_layer, name)) for name in forms} == forms
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)

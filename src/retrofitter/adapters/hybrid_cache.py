@@ -6,6 +6,12 @@ batch, window and feature sizes only, never on the number of tokens seen. It als
 columns seen (``get_seq_length``, padding included) so that HF builds masks and positions exactly
 as with a ``DynamicCache``.
 
+``StaticHybridCacheLayer`` (model level: ``StaticHybridCache``) is the compile-friendly kind for decode
+steps under ``torch.compile``: after the prefill the state is updated in place (fixed addresses), the
+columns seen are a tensor, and the mask it asks HF for covers only the new tokens (``(n, 0)``: the
+state holds everything older), so every step has the same shapes. Padding cannot be told apart in
+that mask once the prefill is over: decode steps must be given no ``attention_mask`` (all real).
+
 This file knows nothing of the attention module; ``adapters.hybrid_attention`` imports it (one way)
 and defines the model-level ``HybridCache``. Plain ``generate()`` works too: HF creates a
 ``DynamicCache`` and each hybrid attention module adopts its (still empty) layer slot on first use
@@ -19,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..ops.hybrid_recurrent import HybridRecurrentState
 
-__all__ = ["HybridCacheLayer", "attach_hybrid_layer"]
+__all__ = ["HybridCacheLayer", "StaticHybridCache", "StaticHybridCacheLayer", "attach_hybrid_layer"]
 
 
 class HybridCacheLayer(CacheLayerMixin):
@@ -95,6 +101,55 @@ class HybridCacheLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("a hybrid attention state cannot be cropped (tokens are folded into S, z); "
                          "assisted/speculative decoding is not supported")
+
+
+class StaticHybridCacheLayer(HybridCacheLayer):
+    """A ``HybridCacheLayer`` whose state is overwritten in place after the prefill and whose column count
+    is a tensor, so a compiled decode step sees fixed shapes and addresses (see the module docstring).
+    ``reset()`` keeps the buffers: the next prefill writes into them."""
+
+    is_compileable = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen_tokens = torch.tensor(0, dtype=torch.long)
+
+    @property
+    def state(self) -> HybridRecurrentState | None:
+        """The live state (None before the prefill, as for ``HybridCacheLayer``)."""
+        return self._buffers_state if self._live else None
+
+    @state.setter
+    def state(self, value: HybridRecurrentState | None) -> None:  # HybridCacheLayer.__init__ sets None
+        self._buffers_state, self._live = value, value is not None
+
+    def store(self, state: HybridRecurrentState, new_columns: int) -> None:
+        if self._buffers_state is None:  # first prefill: its tensors become the fixed buffers
+            self._buffers_state = state
+            self.seen_tokens = self.seen_tokens.to(state.kv_state.device)
+            self.device = state.kv_state.device
+            if not torch.compiler.is_compiling():
+                for tensor in (*state.tensors().values(), self.seen_tokens):
+                    torch._dynamo.mark_static_address(tensor)
+        elif state is not self._buffers_state:
+            for name, tensor in state.tensors().items():
+                getattr(self._buffers_state, name).copy_(tensor)
+        self._live = True
+        self.seen_tokens.add_(int(new_columns))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the new tokens only: their causal block is all HF's mask needs to give
+
+    def reset(self) -> None:
+        self._live = False
+        self.seen_tokens.zero_()
+
+
+class StaticHybridCache(Cache):
+    """Model-level cache of ``StaticHybridCacheLayer``s, for a model whose every layer is hybrid."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[StaticHybridCacheLayer() for _ in range(num_layers)])
 
 
 def attach_hybrid_layer(cache: Cache, layer_idx: int) -> HybridCacheLayer:

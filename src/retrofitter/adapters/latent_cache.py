@@ -11,6 +11,10 @@ exactly as HF keeps dense keys/values, so a sliding layer keeps its window — a
 after conversion. Its positions live in a shadow sliding layer ([b, 1, N, 1] "keys"), so that every
 crop / reorder / batch operation treats them exactly like the latents.
 
+``StaticLatentCacheLayer`` is the compile-friendly kind (``StaticLatentCache``): latents and positions
+preallocated for ``max_cache_len`` tokens and written in place at a tensor offset, so that a decode step
+has the same shapes at every position (``torch.compile`` traces it once, as HF's ``StaticLayer``).
+
 ``latent_cache_layer(cache, layer_idx)`` swaps one into any ``DynamicCache`` (the one ``generate()``
 builds) at first use of a layer — the sliding kind where HF put a ``DynamicSlidingWindowLayer`` — so
 no special cache class is needed; ``get_seq_length`` and the causal masks keep working because the
@@ -21,9 +25,10 @@ mask sizes are computed as for HF's own layers. ``adapters.latent_attention`` gi
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
-__all__ = ["LatentCacheLayer", "LatentSlidingWindowCacheLayer", "latent_cache_layer"]
+__all__ = ["LatentCacheLayer", "LatentSlidingWindowCacheLayer", "StaticLatentCache", "StaticLatentCacheLayer",
+           "latent_cache_layer"]
 
 
 class LatentCacheLayer(DynamicLayer):
@@ -120,6 +125,51 @@ class LatentSlidingWindowCacheLayer(DynamicSlidingWindowLayer):
             self._positions.reorder_cache(beam_idx)
 
 
+class StaticLatentCacheLayer(StaticLayer):
+    """Preallocated latents: keys = z_k [b, 1, max_cache_len, r_k], values = z_v [b, 1, max_cache_len, r_v],
+    positions [b, max_cache_len] (int32, zeros in the slots not written yet: the mask hides them).
+
+    ``update_latent`` writes the new tokens at slots ``cumulative_length + 0..n−1`` (a tensor: no
+    recompilation per step) and returns every slot, like HF's ``StaticLayer``; the mask sizes are
+    ``(max_cache_len, 0)``.
+    """
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.positions = None
+
+    def update_latent(self, key_latent, value_latent, positions):
+        """Write z_k [b, n, r_k], z_v [b, n, r_v], positions [b | 1, n] (or None) at the next n slots;
+        return all slots: z_k [b, L, r_k], z_v [b, L, r_v], positions [b, L] (or None), L = max_cache_len."""
+        slots = torch.arange(key_latent.shape[1], device=key_latent.device) + self.cumulative_length.to(
+            key_latent.device)  # before update() advances it
+        keys, values = self.update(key_latent.unsqueeze(1), value_latent.unsqueeze(1))
+        if positions is not None:
+            if self.positions is None:
+                self.positions = torch.zeros(key_latent.shape[0], self.max_cache_len, dtype=positions.dtype,
+                                             device=key_latent.device)
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(self.positions)
+            self.positions.index_copy_(1, slots, positions.expand(key_latent.shape[0], -1))
+        return keys[:, 0], values[:, 0], self.positions
+
+    def reset(self) -> None:
+        super().reset()
+        if self.positions is not None:
+            self.positions.zero_()
+
+
+class StaticLatentCache(Cache):
+    """Model-level cache of ``StaticLatentCacheLayer``s (one per decoder layer), for ``torch.compile``d decode.
+
+    Only for models whose attention layers are all global (a sliding-window layer keeps a bounded
+    dynamic cache instead: ``LatentSlidingWindowCacheLayer``).
+    """
+
+    def __init__(self, num_layers: int, max_cache_len: int):
+        super().__init__(layers=[StaticLatentCacheLayer(max_cache_len) for _ in range(num_layers)])
+
+
 def latent_cache_layer(cache, layer_index: int) -> LatentCacheLayer | LatentSlidingWindowCacheLayer:
     """The LatentCacheLayer of ``layer_index`` in ``cache`` (a DynamicCache), installed at first use.
 
@@ -136,7 +186,7 @@ def latent_cache_layer(cache, layer_index: int) -> LatentCacheLayer | LatentSlid
     if layer_index >= len(layers):
         raise ValueError(f"cache has {len(layers)} layers, LatentAttention layer {layer_index} has none")
     layer = layers[layer_index]
-    if not isinstance(layer, (LatentCacheLayer, LatentSlidingWindowCacheLayer)):
+    if not isinstance(layer, (LatentCacheLayer, LatentSlidingWindowCacheLayer, StaticLatentCacheLayer)):
         if not isinstance(layer, DynamicLayer) or getattr(layer, "is_initialized", False):
             raise ValueError(
                 f"layer {layer_index}: cache layer {type(layer).__name__} cannot hold latents (use a fresh "

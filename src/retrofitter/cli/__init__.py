@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed repetitions per model (default 3)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up repetitions (default 1)")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    bench.add_argument("--compile", action="store_true",
+                       help="framework overhead removed: a decode loop on static caches, eager and torch.compile'd "
+                            "side by side, plus the overhead floor (docs/bench.md)")
+    bench.add_argument("--batch-sizes", type=positive_int_list, default=(1,),
+                       help="--compile: comma-separated batch sizes (default 1)")
+    bench.add_argument("--no-floor", action="store_true", help="--compile: skip the overhead-floor model")
     _add_quantize_flag(bench, QUANTIZE_SCHEMES)
     _add_common(bench)
 
@@ -233,9 +239,26 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     models = [(label, *load_model(name, dtype=args.dtype, device=args.device, quantize=args.quantize))
               for label, name in zip(unique_labels(args.models), args.models)]
+    if args.compile:
+        return _bench_compiled(args, models)
     bench = bench_models(models, prefill_len=args.prefill_len, contexts=args.contexts, decode_tokens=args.decode_tokens,
                          repeats=args.repeats, warmup=args.warmup, progress=not args.quiet)
     print(format_bench_table(bench))
+    if args.json:
+        write_json(bench, args.json)
+    return 0
+
+
+def _bench_compiled(args, models) -> int:
+    """``bench --compile``: eager and compiled decode loops on static caches (eval/bench_decode.py)."""
+    from ..api import write_json
+    from ..eval.bench_decode import bench_decode
+    from ..eval.bench_table import format_decode_table
+
+    bench = bench_decode([(label, model) for label, model, _ in models], batch_sizes=args.batch_sizes,
+                         contexts=args.contexts, prefill_len=args.prefill_len, decode_tokens=args.decode_tokens,
+                         repeats=args.repeats, warmup=args.warmup, floor=not args.no_floor, progress=not args.quiet)
+    print(format_decode_table(bench))
     if args.json:
         write_json(bench, args.json)
     return 0

@@ -41,7 +41,7 @@ from ..modules.quantize import quantized_scheme
 from .accounting import account
 from .resources import sampled_rss
 
-__all__ = ["bench_models", "cache_nbytes", "machine_info", "unique_labels"]
+__all__ = ["bench_models", "cache_nbytes", "machine_info", "peak_memory", "unique_labels"]
 
 
 
@@ -102,7 +102,7 @@ def _sync(device: torch.device) -> None:
 
 
 @contextmanager
-def _peak_memory(device: torch.device, record: dict) -> Iterator[None]:
+def peak_memory(device: torch.device, record: dict) -> Iterator[None]:
     """Set ``record["peak_mb"]``: peak memory above the starting point during the body, MiB."""
     if device.type == "cuda":
         _sync(device)
@@ -165,7 +165,7 @@ def _measure_prefill(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]
     """(seconds, peak MiB) of one forward over ``ids [1, n]`` with ``use_cache=True``."""
     device = ids.device
     record: dict = {}
-    with _peak_memory(device, record):
+    with peak_memory(device, record):
         _sync(device)
         start = time.perf_counter()
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
@@ -184,7 +184,7 @@ def _measure_decode(model: nn.Module, tokenizer, ids: torch.Tensor, decode_token
     if pad_id is None:
         pad_id = getattr(tokenizer, "eos_token_id", None) or 0
     record: dict = {}
-    with _peak_memory(device, record):
+    with peak_memory(device, record):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, num_beams=1, use_cache=True,
                        pad_token_id=pad_id, streamer=timer, temperature=None, top_p=None, top_k=None)

@@ -1,9 +1,10 @@
 """The bench results as a table: one row per model and figure, with its spread and its ratio to the first
-model (``bench_rows``, ``format_bench_table``), and the notes under it (``bench_notes``)."""
+model (``bench_rows``, ``format_bench_table``), and the notes under it (``bench_notes``); the same for the
+eager / compiled decode benchmark (``decode_rows``, ``format_decode_table``)."""
 
 from __future__ import annotations
 
-__all__ = ["bench_notes", "bench_rows", "format_bench_table", "format_bytes"]
+__all__ = ["bench_notes", "bench_rows", "decode_rows", "format_bench_table", "format_bytes", "format_decode_table"]
 
 
 def _cell(summary: dict, scale: float, digits: int) -> tuple[str, str]:
@@ -73,3 +74,41 @@ def format_bench_table(bench: dict, markdown: bool = False) -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*row) for row in rows)]
     return "\n".join(lines + notes)
+
+
+def decode_rows(bench: dict) -> list[list[str]]:
+    """Rows ``[mode, batch, model, measure, median, min–max, vs first, net]`` of a ``bench_decode`` dict
+    (``net``: the ratio net of the overhead floor, ``(t − t_floor) / (t_first − t_floor)``)."""
+    rows = []
+    for mode, by_batch in bench["results"].items():
+        for batch, entries in by_batch.items():
+            for label, entry in entries.items():
+                ratios = entry["ratios"]
+                if entry["prefill"]:
+                    median, spread = _cell(entry["prefill"], 1e3, 1)
+                    rows.append([mode, batch, label, f"prefill {bench['settings']['prefill_len']} tok (ms)", median,
+                                 spread, _fmt_ratio(ratios.get("prefill")), _fmt_ratio(ratios.get("prefill_net"))])
+                for n, decode in sorted(entry["decode"].items(), key=lambda item: int(item[0])):
+                    median, spread = _cell(decode["step_s"], 1e3, 2)
+                    step = ratios["decode"][n]
+                    rows.append([mode, batch, label, f"decode step @ {n} (ms)", median, spread,
+                                 _fmt_ratio(step.get("step")), _fmt_ratio(step.get("step_net"))])
+                    median, spread = _cell(decode["tokens_per_s"], 1.0, 1)
+                    rows.append([mode, batch, label, f"decode tok/s @ {n}", median, spread, "", ""])
+                    rows.append([mode, batch, label, f"cache bytes @ {n}", format_bytes(decode["cache_bytes"]), "",
+                                 "", ""])
+                    rows.append([mode, batch, label, f"peak mem MiB (decode {n})", f"{decode['peak_mb']:.1f}", "",
+                                 "", ""])
+    return rows
+
+
+def format_decode_table(bench: dict, markdown: bool = False) -> str:
+    """The ``bench_decode`` results, one row per mode, batch, model and figure (time ratios: below 1 is faster)."""
+    header = ["mode", "batch", "model", "measure", "median", "min–max", "vs first", "net of floor"]
+    rows = decode_rows(bench)
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*row) for row in rows)])

@@ -21,7 +21,13 @@ from torch import nn
 from ..linalg.junction import assemble_down, junction_factor
 from ..linalg.svd import bias_compensation, check_rank, weighted_low_rank
 
-__all__ = ["LatentLinear"]
+__all__ = ["FACTOR_FORMS", "LatentLinear", "factor_form", "with_form"]
+
+# How a rank-r matrix can be executed (issue: realized speed): the same function, different costs.
+#   dense:    y = x Wᵀ + b, W = up·down [d', d]         (nn.Linear; d·d' weights, one matmul)
+#   plain:    y = (x downᵀ) upᵀ + b                     (r(d + d') weights, two matmuls)
+#   junction: y = (x[piv] + x[rest] mixᵀ) upᵀ + b       (r(d + d') − r² weights, two matmuls)
+FACTOR_FORMS = ("dense", "plain", "junction")
 
 
 class LatentLinear(nn.Module):
@@ -209,3 +215,46 @@ class LatentLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
             f"junction={self.junction}, bias={self.bias is not None}"
         )
+
+
+def factor_form(module: nn.Module) -> str:
+    """``"dense"`` (nn.Linear), ``"plain"`` or ``"junction"`` (LatentLinear)."""
+    if isinstance(module, LatentLinear):
+        return "junction" if module.junction else "plain"
+    if isinstance(module, nn.Linear):
+        return "dense"
+    raise TypeError(f"{type(module).__name__} is neither an nn.Linear nor a LatentLinear")
+
+
+def with_form(module: nn.Module, form: str, max_condition: float | None = 1e8) -> nn.Module:
+    """The same map x ↦ W x + b as ``module`` (nn.Linear or LatentLinear) executed in ``form`` (``FACTOR_FORMS``).
+
+    The factors are transformed in float64 and cast back to the module's dtype; ``module`` itself is
+    returned when it already has that form. A dense matrix becomes factored at its numerical rank
+    (SVD, exact up to rounding; to lower the rank, compress it). A saved model keeps the form: a dense matrix is an
+    ``nn.Linear`` at its path, a factored one a ``LatentLinear`` with its ``junction`` flag.
+    """
+    if form not in FACTOR_FORMS:
+        raise ValueError(f"unknown factor form {form!r}; choose from {', '.join(FACTOR_FORMS)}")
+    if factor_form(module) == form:
+        return module
+    bias = None if module.bias is None else module.bias.detach()
+    if isinstance(module, LatentLinear):
+        up = module.up.detach().to(torch.float64)
+        down = module.down_weight().detach().to(torch.float64)
+        dtype, device = module.up.dtype, module.up.device
+    else:
+        weight = module.weight.detach().to(torch.float64)
+        dtype, device = module.weight.dtype, module.weight.device
+        rank = int(torch.linalg.matrix_rank(weight))  # W = U_r S_r V_rᵀ exactly at its numerical rank
+        left, values, right = torch.linalg.svd(weight, full_matrices=False)
+        up, down = left[:, :rank] * values[:rank], right[:rank]
+    if form == "dense":
+        linear = nn.Linear(down.shape[1], up.shape[0], bias=bias is not None, dtype=dtype, device=device)
+        with torch.no_grad():
+            linear.weight.copy_(up @ down)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        return linear
+    return LatentLinear.from_factors(up, down, bias=bias, junction=form == "junction", dtype=dtype, device=device,
+                                     max_condition=max_condition)

@@ -134,8 +134,9 @@ def hybrid_attention_chunked(
     k_before = _shift_chunks(phi_k.sum(dim=4).cumsum(dim=3), 2, dim=3)  # [b, g, r, m, F]
     linear_num = torch.einsum("bgrmaf,bgrmfd->bgrmad", phi_q, kv_before)
     linear_den = torch.einsum("bgrmaf,bgrmf->bgrma", phi_q, k_before)
-    # Keys of chunk j-1 that left the window (sliding windows only; a no-op mask for terraced).
-    if bool(in_linear_prev.any()):
+    # Keys of chunk j-1 that left the window (sliding windows only; a no-op mask for terraced). Under
+    # torch.compile the masked update always runs (exact either way; a data-dependent branch breaks the graph).
+    if torch.compiler.is_compiling() or bool(in_linear_prev.any()):
         scores = torch.einsum("bgrmaf,bgrmcf->bgrmac", phi_q, _shift_chunks(phi_k, 1, dim=3))
         scores = scores.masked_fill(~in_linear_prev, 0.0)
         linear_num = linear_num + torch.einsum("bgrmac,bgmcd->bgrmad", scores, v_prev)

@@ -201,8 +201,9 @@ def hybrid_recurrent_step(
     leaving = leaving & valid_t[:, None]  # [b, e]
     # A terraced window evicts a whole tile once every `window` tokens and nothing in between: skip
     # phi_k and the state update when no slot leaves (on CPU; on an accelerator the bool() would
-    # stall the launch queue once per layer, and the masked update below is exact anyway).
-    evicted_any = q_t.device.type != "cpu" or bool(leaving.any())
+    # stall the launch queue once per layer, and the masked update below is exact anyway; under
+    # torch.compile the data-dependent branch would break the graph, so the masked update runs too).
+    evicted_any = q_t.device.type != "cpu" or torch.compiler.is_compiling() or bool(leaving.any())
     if evicted_any:
         index = slots[:, None, :, None].expand(b, g, slots.shape[1], dh)
         k_out = state.keys.gather(2, index).to(dtype).repeat_interleave(groups, dim=1)  # [b, h, e, dh]

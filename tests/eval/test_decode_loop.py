@@ -1,0 +1,149 @@
+"""The decode loop: static caches equal dynamic ones, compiled steps equal eager ones, filled caches and the
+overhead floor have the right sizes (tiny models; compiled with the tracing-only backend except one test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retrofitter.adapters.hybrid_attention import swap_to_hybrid
+from retrofitter.adapters.latent_attention import to_latent_attention
+from retrofitter.config import LinearizeConfig
+from retrofitter.eval.bench import cache_nbytes
+from retrofitter.eval.decode_loop import (SkippedProjection, compile_step, decode_step, fill_cache, greedy_decode,
+                                          make_cache, model_kind, prefill, skip_projections)
+from retrofitter.adapters import adapter_for
+from retrofitter.modules.latent_linear import LatentLinear
+from tiny_models import TINY_VOCAB, build_tiny, strong_tiny
+
+
+def low_rank_dense(model, keep=0.5):
+    """q/k/v/o as LatentLinear of half rank (plain SVD): a stand-in for a compressed model."""
+    adapter = adapter_for(model)
+    for layer in adapter.decoder_layers(model):
+        for name in ("q", "k", "v", "o"):
+            linear = adapter.get_linear(layer, name)
+            rank = max(1, int(keep * min(linear.in_features, linear.out_features)))
+            adapter.set_linear(layer, name, LatentLinear.from_linear(linear, None, rank, preconditioner="plain"))
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(kind: str):
+    if kind == "softmax":
+        return strong_tiny("llama")
+    if kind == "latent":
+        return to_latent_attention(low_rank_dense(strong_tiny("llama", dtype=torch.float64))).float()
+    model = strong_tiny("llama")
+    swap_to_hybrid(model, LinearizeConfig(window=4).hybrid_settings())
+    return model
+
+
+def _ids(batch=2, length=10):
+    return torch.randint(4, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _eager(model):
+    return lambda tokens, position, cache: decode_step(model, tokens, position, cache)
+
+
+def _decode(model, cache_kind, step=None, steps=6):
+    ids = _ids()
+    cache = make_cache(model, cache_kind, max_cache_len=ids.shape[1] + steps + 1)
+    logits = prefill(model, ids, cache)
+    return greedy_decode(step or _eager(model), model, cache, logits, ids.shape[1], steps)[0], cache
+
+
+@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid"])
+def test_static_cache_decodes_like_generate(kind):
+    model = _model(kind)
+    assert model_kind(model) == kind
+    ids = _ids()
+    model.generation_config.eos_token_id = None  # generate() must not stop early: the loop never does
+    with torch.inference_mode():
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=7,
+                                   do_sample=False, pad_token_id=0)[:, ids.shape[1] + 1:]
+    for cache_kind in ("dynamic", "static"):
+        tokens, _ = _decode(model, cache_kind)
+        assert torch.equal(tokens, reference), cache_kind
+
+
+@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid"])
+def test_traced_step_equals_eager_logits(kind):
+    torch._dynamo.reset()
+    model = _model(kind)
+    ids = _ids()
+    caches = [make_cache(model, "static", max_cache_len=16) for _ in range(2)]
+    logits = [prefill(model, ids, cache) for cache in caches]
+    traced = compile_step(model, backend="aot_eager")
+    tokens = logits[0].argmax(-1)
+    with torch.inference_mode():
+        for index in range(4):
+            position = torch.full((1, 1), ids.shape[1] + index)
+            eager, compiled = decode_step(model, tokens, position, caches[0]), traced(tokens, position, caches[1])
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+            tokens = eager.argmax(-1)
+
+
+@pytest.mark.slow
+def test_inductor_step_equals_eager_logits():
+    torch._dynamo.reset()
+    model = _model("softmax")
+    ids = _ids()
+    tokens_eager, _ = _decode(model, "static")
+    tokens_compiled, _ = _decode(model, "static", step=compile_step(model))
+    assert torch.equal(tokens_compiled, tokens_eager)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid"])
+def test_filled_cache_has_context_tokens(kind):
+    model = _model(kind)
+    sizes = {}
+    for context in (10, 30):
+        cache = make_cache(model, "dynamic")
+        logits = fill_cache(model, cache, _ids(), context)
+        assert int(cache.get_seq_length()) == context
+        sizes[context] = cache_nbytes(cache)
+        greedy_decode(_eager(model), model, cache, logits, context, 2)  # decoding continues from there
+    if kind == "hybrid":
+        assert sizes[30] == sizes[10]  # constant state
+    else:
+        assert sizes[30] > 2.5 * sizes[10]
+
+
+def test_static_fill_equals_dynamic_fill():
+    model = _model("latent")
+    results = []
+    for cache_kind in ("dynamic", "static"):
+        cache = make_cache(model, cache_kind, max_cache_len=40)
+        logits = fill_cache(model, cache, _ids(), 30)
+        results.append(greedy_decode(_eager(model), model, cache, logits, 30, 3)[0])
+    assert torch.equal(results[0], results[1])
+
+
+def test_overhead_floor_skips_projections_and_keeps_tied_embeddings():
+    model = build_tiny("gemma2")  # tied embeddings
+    floor = skip_projections(model)
+    skipped = [m for m in floor.modules() if isinstance(m, SkippedProjection)]
+    assert len(skipped) == 2 * 7 + 1
+    assert floor.get_input_embeddings().weight is not None
+    assert torch.equal(floor.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert sum(p.numel() for p in floor.parameters()) < 0.5 * sum(p.numel() for p in model.parameters())
+    ids = _ids()
+    assert prefill(floor, ids, make_cache(floor, "dynamic")).shape == (2, 1, TINY_VOCAB)
+    with pytest.raises(ValueError, match="softmax-attention"):
+        skip_projections(_model("hybrid"))
+
+
+def test_static_cache_refusals():
+    with pytest.raises(ValueError, match="max_cache_len"):
+        make_cache(_model("softmax"), "static")
+    with pytest.raises(ValueError, match="cache kind"):
+        make_cache(_model("softmax"), "paged")
