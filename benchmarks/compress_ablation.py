@@ -48,19 +48,21 @@ from retrofitter.data.corpora import load_text
 from retrofitter.eval.accounting import account
 
 _UNIFORM = dict(allocation="uniform")
-_LATENT = dict(method="latentllm", joint_qk=True, joint_mlp=True, joint_vo=False, mlp_algorithm="streaming")
+_SEQUENTIAL = dict(statistics="compressed")  # the local methods default to one pass of teacher statistics
+_LATENT = dict(method="latentllm", joint_qk=True, joint_mlp=True, joint_vo=False, mlp_algorithm="streaming",
+               statistics="compressed")
 PARTS: dict[str, dict] = {
-    "rootcov_plain": dict(method="asvd-rootcov", junction=False, **_UNIFORM),
-    "rootcov": dict(method="asvd-rootcov", **_UNIFORM),
+    "rootcov_plain": dict(method="asvd-rootcov", junction=False, **_SEQUENTIAL, **_UNIFORM),
+    "rootcov": dict(method="asvd-rootcov", **_SEQUENTIAL, **_UNIFORM),
     "joint_qk": dict(_LATENT, joint_mlp=False, **_UNIFORM),
     "joint_ud": dict(_LATENT, **_UNIFORM),
     "joint_vo": dict(_LATENT, joint_vo=True, **_UNIFORM),
-    "rootcov_global_fisher": dict(method="asvd-rootcov", allocation="global", allocation_weighting="fisher"),
+    "rootcov_global_fisher": dict(method="asvd-rootcov", **_SEQUENTIAL, allocation="global", allocation_weighting="fisher"),
     "latentllm_global_fisher": dict(_LATENT, allocation="global", allocation_weighting="fisher"),
-    "rootcov_global": dict(method="asvd-rootcov", allocation="global", allocation_weighting="relative"),
+    "rootcov_global": dict(method="asvd-rootcov", **_SEQUENTIAL, allocation="global", allocation_weighting="relative"),
     "latentllm_global": dict(_LATENT, allocation="global", allocation_weighting="relative"),
     "latentllm_global_fisher_kv50": dict(_LATENT, allocation="global", allocation_weighting="fisher", kv_ratio=0.5),
-    "rootcov_refit": dict(method="asvd-rootcov", refit_within_layer=True, **_UNIFORM),
+    "rootcov_refit": dict(method="asvd-rootcov", **_SEQUENTIAL, refit_within_layer=True, **_UNIFORM),
     # teacher-target correction (linalg/teacher_target.py): each fit reproduces the original model's outputs
     "rootcov_teacher_target": dict(method="asvd-rootcov", statistics="teacher_target", refit_within_layer=True,
                                    **_UNIFORM),

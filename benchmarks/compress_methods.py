@@ -119,7 +119,8 @@ def main() -> None:
                 model = copy.deepcopy(original)
                 t0 = time.perf_counter()
                 try:
-                    compress_from_statistics(model, CompressConfig(ratio=ratio, method=method, statistics="teacher"),
+                    compress_from_statistics(model, CompressConfig(ratio=ratio, method=method, statistics="teacher",
+                                                                    allocation="uniform"),
                                           moments, svd_cache=svd_cache)
                     fit_seconds = time.perf_counter() - t0
                     ppl = perplexities(model, eval_blocks, 4)
@@ -171,7 +172,8 @@ def main() -> None:
             t0 = time.perf_counter()
             with sampled_rss(memory):
                 _, report = compress(model, CompressConfig(ratio=ratio, method="asvd-rootcov",
-                                                                 statistics="compressed", batch_size=args.batch_size),
+                                                                 statistics="compressed", allocation="uniform",
+                                                                 batch_size=args.batch_size),
                                            calibration, progress=False)
             seconds = time.perf_counter() - t0
             rows.append(row(f"asvd-rootcov-seq@{ratio}", "asvd-rootcov", ratio, model, before,

@@ -186,7 +186,7 @@ def main() -> None:
     svd_cache: dict = {}  # one weighted SVD per matrix, truncated at every ratio
     for ratio in ratios:
         model = copy.deepcopy(original)
-        compress_from_statistics(model, CompressConfig(ratio=ratio, statistics="teacher"), moments, svd_cache)
+        compress_from_statistics(model, CompressConfig(ratio=ratio, statistics="teacher", allocation="uniform"), moments, svd_cache)
         add(f"asvd-rootcov-{ratio:g} fp32", "asvd-rootcov", ratio, "fp32", model)
         for scheme in schemes:
             quantized = quantize(copy.deepcopy(model), scheme)

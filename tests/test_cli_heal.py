@@ -77,7 +77,8 @@ def test_compressed_mlps_with_linearized_attention_then_one_distillation(compres
     tmp, model_dir, corpus, _ = compressed_dir
     mlp_only, linear, healed = tmp / "mlp", tmp / "mlp-lin", tmp / "mlp-lin-heal"
     assert main(["compress", str(model_dir), "--ratio", "0.4", "--targets", targets, "--calib", str(corpus),
-                 "--calib-samples", "4", "--seq-len", "32", "--out", str(mlp_only), "--no-eval", "--quiet"]) == 0
+                 "--calib-samples", "4", "--seq-len", "32", "--out", str(mlp_only), "--no-eval", "--quiet",
+                 "--allocation", "uniform", "--statistics", "compressed"]) == 0
     assert main(["linearize", str(mlp_only), "--transfer-tokens", "256", "--lora-tokens", "0", "--window", "8",
                  "--feature-dim", "8", "--seq-len", "32", "--batch-size", "2", "--train-corpus", str(corpus),
                  "--out", str(linear), "--no-eval", "--quiet"]) == 0

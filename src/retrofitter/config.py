@@ -56,9 +56,12 @@ class _JsonRoundTrip:
         return cls(**values)
 
 
-# allocation=None resolves per method: latentllm's measured best is global fisher allocation
-# (benchmarks/compress_ablation.py); the local methods keep the paper's uniform ranks unless asked.
-DEFAULT_ALLOCATION: dict[str, str] = {"latentllm": "global"}
+# allocation=None and statistics=None resolve per method to the measured best (docs/results.md,
+# benchmarks/compress_ablation.py): global fisher allocation for every method; one pass of teacher
+# statistics for the local methods (as good as the sequential ones at a fraction of the cost),
+# sequential statistics for latentllm (its joint fits need them).
+DEFAULT_ALLOCATION: dict[str, str] = {}
+DEFAULT_STATISTICS: dict[str, str] = {"latentllm": "compressed"}
 
 
 @dataclass(frozen=True)
@@ -71,28 +74,32 @@ class CompressConfig(_JsonRoundTrip):
     statistics: ``"compressed"`` — layer l is calibrated on the outputs of the already compressed
       layers < l (sequential); ``"teacher"`` — on the original model's activations; ``"teacher_target"``
       — fitted so that the compressed inputs reproduce the original's outputs (local methods).
+      ``None`` (default) resolves per method, ``DEFAULT_STATISTICS``: compressed for ``latentllm``,
+      teacher for the local methods.
     damping: λ in C + λ·mean(diag C)·I.
     targets: projection names to compress (adapter names, e.g. ``q k v o gate up down``); empty = all.
     allocation: ``"uniform"`` (each matrix keeps 1 − ratio of its parameters) or ``"global"`` (one
       budget, ranks priced by ``allocation_weighting``); ``None`` (default) picks the method's best
-      measured choice, ``DEFAULT_ALLOCATION``: global for ``latentllm``, uniform for the local methods.
+      measured choice, ``DEFAULT_ALLOCATION`` (global for every method today).
     refit_within_layer: collect each projection group's statistics after the groups before it in the
       same layer were replaced (o sees the compressed q/k/v, the MLP the compressed attention) instead
       of one pass of the original layer. ``None`` (default) resolves to the setting of the measured
-      figures: on for ``latentllm`` (which needs it) and for global allocation, off for uniform local.
+      figures: on for ``latentllm`` (which needs it) and for global allocation with sequential
+      statistics, off for uniform allocation and for teacher statistics.
     """
 
     ratio: float = _option(0.2, "fraction of the linear-layer parameters removed, in (0, 1)")
     method: str = _option("asvd-rootcov", "compression method", choices=tuple(COMPRESS_METHODS))
     junction: bool = _option(True, "block-identity factors, r(d+d')-r^2 parameters (--no-junction: plain B, A)")
-    statistics: str = _option("compressed", "calibrate layer l on the compressed model's activations (default), "
-                              "on the original's (teacher), or fit the compressed model's inputs to the original's "
-                              "outputs (teacher_target: error feedback, local methods)",
-                              choices=STATISTICS)
+    statistics: str | None = _option(None, "calibrate layer l on the compressed model's activations (compressed), "
+                                     "on the original's (teacher), or fit the compressed model's inputs to the "
+                                     "original's outputs (teacher_target: error feedback, local methods); default: "
+                                     "teacher for the local methods, compressed for latentllm",
+                                     choices=STATISTICS)
     damping: float = _option(1e-2, "lambda in C + lambda*mean(diag C)*I")
     targets: tuple[str, ...] = _option((), "comma-separated projections to compress (default all)")
     allocation: str | None = _option(None, "uniform: every matrix keeps 1-ratio of its parameters; global: one "
-                                     "budget by water-filling (default: global for latentllm, uniform otherwise)",
+                                     "budget by water-filling, ranks priced by --allocation-weighting (default)",
                                      choices=("uniform", "global"))
     batch_size: int = _option(8, "calibration batch size")
     joint_qk: bool = _option(True, "latentllm: joint QK (Tucker) decomposition")
@@ -122,17 +129,20 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"ratio must lie in (0, 1) (fraction of linear parameters removed), got {self.ratio}")
         if self.method not in COMPRESS_METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(COMPRESS_METHODS)}")
+        if self.statistics is None:  # frozen dataclass: resolve the method's default once, at construction
+            object.__setattr__(self, "statistics", DEFAULT_STATISTICS.get(self.method, "teacher"))
         if self.statistics not in STATISTICS:
             raise ValueError(f"statistics must be one of {', '.join(STATISTICS)}, got {self.statistics!r}")
         if self.statistics == "teacher_target" and self.method == "latentllm":
             raise ValueError("statistics='teacher_target' (--statistics teacher_target) serves the local methods "
                              "(svd, asvd-*, svd-llm); latentllm's joint fits use 'compressed' or 'teacher'")
         if self.allocation is None:  # frozen dataclass: resolve the method's default once, at construction
-            object.__setattr__(self, "allocation", DEFAULT_ALLOCATION.get(self.method, "uniform"))
+            object.__setattr__(self, "allocation", DEFAULT_ALLOCATION.get(self.method, "global"))
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"allocation must be 'uniform' or 'global', got {self.allocation!r}")
         if self.refit_within_layer is None:
-            object.__setattr__(self, "refit_within_layer", self.method == "latentllm" or self.allocation == "global")
+            object.__setattr__(self, "refit_within_layer", self.method == "latentllm" or
+                               (self.allocation == "global" and self.statistics != "teacher"))
         if self.method == "latentllm" and not self.refit_within_layer:
             raise ValueError("latentllm fits each projection group on the outputs of the groups before it: "
                              "refit_within_layer must be on")
@@ -148,9 +158,12 @@ class CompressConfig(_JsonRoundTrip):
         if self.kv_ratio is not None:
             if not 0.0 < self.kv_ratio <= 1.0:
                 raise ValueError(f"kv_ratio must lie in (0, 1], got {self.kv_ratio}")
+            if self.method != "latentllm":
+                raise ValueError("kv_ratio (--kv-ratio) bounds the latent k/v cache of --method latentllm; the other "
+                                 "methods keep HF's full k/v cache")
             if self.allocation != "global":
                 raise ValueError("kv_ratio (--kv-ratio) is a budget of the global allocation: use --allocation global "
-                                 "(the default of latentllm)")
+                                 "(the default)")
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}")
         if self.batch_size < 1:

@@ -77,7 +77,7 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
             _say(f"asvd-rootcov at ratio {ratio}")
             model = copy.deepcopy(original)
             t0 = time.perf_counter()
-            compress_from_statistics(model, CompressConfig(ratio=ratio, statistics="teacher"), moments, svd_cache)
+            compress_from_statistics(model, CompressConfig(ratio=ratio, statistics="teacher", allocation="uniform"), moments, svd_cache)
             finish(model, "asvd-rootcov", ratio, statistics_seconds + time.perf_counter() - t0, "teacher")
             if ratio == max(ratios):
                 most_compressed = (f"asvd-rootcov-{ratio:g}", model)

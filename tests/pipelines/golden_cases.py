@@ -18,10 +18,14 @@ from tiny_models import TINY_VOCAB, strong_tiny
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
 CASES = {
-    "llama-rootcov-uniform": ("llama", {"method": "asvd-rootcov", "ratio": 0.3}),
-    "opt-rootcov-uniform": ("opt", {"method": "asvd-rootcov", "ratio": 0.3}),
-    "qwen3-cov-uniform-teacher": ("qwen3", {"method": "asvd-cov", "ratio": 0.2, "statistics": "teacher"}),
-    "llama-rootcov-global": ("llama", {"method": "asvd-rootcov", "ratio": 0.3, "allocation": "global"}),
+    "llama-rootcov-uniform": ("llama", {"method": "asvd-rootcov", "ratio": 0.3, "allocation": "uniform",
+                                        "statistics": "compressed"}),
+    "opt-rootcov-uniform": ("opt", {"method": "asvd-rootcov", "ratio": 0.3, "allocation": "uniform",
+                                    "statistics": "compressed"}),
+    "qwen3-cov-uniform-teacher": ("qwen3", {"method": "asvd-cov", "ratio": 0.2, "statistics": "teacher",
+                                            "allocation": "uniform"}),
+    "llama-rootcov-global": ("llama", {"method": "asvd-rootcov", "ratio": 0.3, "allocation": "global",
+                                       "statistics": "compressed"}),
     "llama-latentllm": ("llama", {"method": "latentllm", "ratio": 0.3}),
     "opt-latentllm": ("opt", {"method": "latentllm", "ratio": 0.3}),
     "qwen2-latentllm-uniform-vo": ("qwen2", {"method": "latentllm", "ratio": 0.3, "allocation": "uniform",

@@ -127,7 +127,8 @@ def test_fisher_allocation_compresses_within_budget_and_sets_ranks_non_uniformly
 
 def test_local_method_with_global_allocation_is_not_silently_uniform():
     tokens = torch.randint(3, TINY_VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
-    uniform = compress_model(strong_tiny("llama"), CompressConfig(method="asvd-rootcov", ratio=0.4, batch_size=4),
+    uniform = compress_model(strong_tiny("llama"), CompressConfig(method="asvd-rootcov", ratio=0.4, batch_size=4,
+                                                                  allocation="uniform"),
                              tokens, progress=False)[1]
     global_ = compress_model(strong_tiny("llama"), CompressConfig(method="asvd-rootcov", ratio=0.4, allocation="global",
                                                                  batch_size=4), tokens, progress=False)[1]
@@ -213,4 +214,6 @@ def test_kv_ratio_bounds_the_latent_cache_of_a_compressed_model():
     assert report["allocation"]["kv_used_numbers"] == report["cache_numbers_per_token"]
     assert report["allocation"]["allocation_used"] <= report["allocation"]["allocation_budget"]
     with pytest.raises(ValueError, match="--allocation global"):
+        CompressConfig(method="latentllm", ratio=0.3, kv_ratio=0.5, allocation="uniform")
+    with pytest.raises(ValueError, match="latent k/v cache of --method latentllm"):
         CompressConfig(method="asvd-rootcov", ratio=0.3, kv_ratio=0.5)

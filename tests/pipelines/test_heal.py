@@ -30,7 +30,7 @@ def pair(seed=0):
     """(teacher, student): a tiny model and its compressed copy."""
     teacher = strong_tiny("llama", seed=seed)
     student = strong_tiny("llama", seed=seed)
-    compress_model(student, CompressConfig(ratio=0.4, batch_size=4), blocks(4, 32, seed=9), progress=False)
+    compress_model(student, CompressConfig(ratio=0.4, batch_size=4, allocation="uniform", statistics="compressed"), blocks(4, 32, seed=9), progress=False)
     return teacher, student
 
 

@@ -18,7 +18,8 @@ def tokens(seed=1):
 
 
 @pytest.mark.parametrize("fields, strategy, allocation", [
-    ({"method": "asvd-rootcov"}, LocalSVDStrategy, "uniform"),
+    ({"method": "asvd-rootcov", "allocation": "uniform"}, LocalSVDStrategy, "uniform"),
+    ({"method": "asvd-rootcov"}, LocalSVDStrategy, "global"),
     ({"method": "asvd-cov", "allocation": "global", "allocation_weighting": "relative"}, LocalSVDStrategy, "global"),
     ({"method": "latentllm"}, LatentLLMStrategy, "global"),
     ({"method": "latentllm", "allocation": "uniform"}, LatentLLMStrategy, "uniform"),
