@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
     compress.add_argument("--measure-cost", action="store_true",
                           help="also time one plain forward over the calibration tokens (compression cost ratio)")
+    compress.add_argument("--out-of-core", action="store_true",
+                          help="read the model one decoder layer at a time from its safetensors shards (models larger "
+                               "than memory; --allocation uniform; no evaluation: run `retrofitter eval OUT`)")
     _add_output_flags(compress)
     _add_eval_flags(compress, "--eval", "wiki-eval")
     _add_common(compress)
@@ -174,10 +177,13 @@ def cmd_compress(args) -> int:
     from ..jobs import compress_job
 
     config = config_from_args(CompressConfig, args)
-    return _show(compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
-                              calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
-                              measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
-                              progress=not args.quiet), args)
+    results = compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
+                           calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
+                           measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
+                           progress=not args.quiet, out_of_core=args.out_of_core)
+    if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
+        return 0
+    return _show(results, args)
 
 
 def cmd_linearize(args) -> int:
