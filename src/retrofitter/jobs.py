@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -173,7 +174,8 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
     check_linearize_config(config)
     check_corpus(train_corpus, "--train-corpus")
     _check_outputs(out, overwrite, eval_config)
-    with output_lock(out):
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun accelerate runs the processes; rank 0 writes
+    with output_lock(out) if rank == 0 else contextlib.nullcontext():
         return _linearize(model_name, out, config, eval_config, preset, train_corpus, work_dir, eval_original,
                           overwrite, dtype, device, progress)
 
@@ -193,6 +195,8 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     lora_blocks = blocks[n_transfer:n_transfer + n_lora] if blocks.shape[0] >= n_transfer + n_lora else blocks[:n_lora]
     work_dir = Path(work_dir) if work_dir else out.parent / f".{out.name}.transfer"
     model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {"rank": int(os.environ["RANK"]), "linearize_report": report}
     timings.update(report["timings_s"])
     linearize_peak = peak_rss_mb()
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),

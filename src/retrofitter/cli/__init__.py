@@ -193,10 +193,12 @@ def cmd_linearize(args) -> int:
     config = config_from_args(LinearizeConfig, args, base=preset.get("config"))
     if args.preset and args.max_eval_tokens is None:
         args.max_eval_tokens = preset["eval_max_tokens"]
-    return _show(linearize_job(args.model, args.out, config, _eval_config(args, config.seq_len), preset=args.preset,
-                               train_corpus=args.train_corpus, work_dir=args.work_dir, eval_original=args.eval_original,
-                               overwrite=args.overwrite, dtype=args.dtype, device=args.device,
-                               progress=not args.quiet), args)
+    results = linearize_job(args.model, args.out, config, _eval_config(args, config.seq_len), preset=args.preset,
+                            train_corpus=args.train_corpus, work_dir=args.work_dir, eval_original=args.eval_original,
+                            overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet)
+    if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
+        return 0
+    return _show(results, args)
 
 
 def cmd_bench(args) -> int:
