@@ -29,7 +29,8 @@ from .adapters.replacements import replacement_types
 from .errors import ModelLoadError, OutputBusyError
 from .modules.quantize import quantized_scheme
 
-__all__ = ["save_retrofitted", "save_retrofitted_shards", "replacement_records", "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
+__all__ = ["save_retrofitted", "save_retrofitted_shards", "replacement_records",
+           "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
            "RETROFITTER_JSON"]
 
 RETROFITTER_JSON = "retrofitter.json"

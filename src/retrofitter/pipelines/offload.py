@@ -43,7 +43,8 @@ class SafetensorsCheckpoint:
         self.directory = Path(directory)
         index = self.directory / SAFETENSORS_INDEX
         if index.is_file():
-            self.files = {key: self.directory / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {key: self.directory / name for key, name in weight_map.items()}
         else:
             self.files = {}
             for file in sorted(self.directory.glob("*.safetensors")):

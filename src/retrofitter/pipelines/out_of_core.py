@@ -40,8 +40,9 @@ def compress_out_of_core(model_dir, out, config: CompressConfig, calibration: to
                          overwrite: bool = False, progress: bool = True,
                          parallel: DataParallel = SINGLE_PROCESS) -> tuple:
     """Compress the safetensors model in ``model_dir`` into ``out`` without ever holding it whole; returns
-    ``(model, report)``, the model's structure (compressed) on the meta device: parameter accounting only. ``work_dir`` holds the finished layers and the stream (resumable; left in place for
-    the caller to remove once ``out`` is in place). With several processes only rank 0 writes ``out``."""
+    ``(model, report)``, the model's structure (compressed) on the meta device: parameter accounting only.
+    ``work_dir`` holds the finished layers and the stream (resumable; left in place for the caller to remove
+    once ``out`` is in place). With several processes only rank 0 writes ``out``."""
     if config.allocation != "uniform":
         raise ValueError(f"out-of-core compression plans ranks from the layer shapes: global allocation needs the "
                          f"whole model at once; pass --allocation uniform (got {config.allocation!r})")

@@ -47,7 +47,8 @@ from .distributed import SINGLE_PROCESS, DataParallel, share_replacement
 from .layer_checkpoint import restore_layers, save_layer_progress
 from .resume import RunDirectory, fingerprint
 
-__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "LayerOffload", "Planner", "run_sequential", "target_names",
+__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "LayerOffload", "Planner", "run_sequential",
+           "target_names", "check_layer_weights",
            "check_compressible", "summarize"]
 
 log = logging.getLogger(__name__)
