@@ -82,7 +82,7 @@ def _weights(directory: Path) -> dict:
 
 
 def max_abs_diff(left: Path, right: Path) -> dict:
-    """Max |a − b| over the tensors of two saved directories (read one at a time), and the keys that differ."""
+    """Max |a − b| over the tensors of two saved directories (read one at a time), and the keys only one of them has."""
     from safetensors import safe_open
 
     a, b = _weights(left), _weights(right)
@@ -94,8 +94,8 @@ def max_abs_diff(left: Path, right: Path) -> dict:
         kind = key.rsplit(".", 1)[-1]
         by_kind[kind] = max(by_kind.get(kind, 0.0), diff)
         worst = max(worst, diff)
-    return {"max_abs_diff": worst, "max_abs_diff_by_tensor": by_kind, "only_in_memory": sorted(set(a) - set(b)),
-            "only_out_of_core": sorted(set(b) - set(a))}
+    return {"max_abs_diff": worst, "max_abs_diff_by_tensor": by_kind, "only_in_first": sorted(set(a) - set(b)),
+            "only_in_second": sorted(set(b) - set(a))}
 
 
 def fp32_size_mb(model: str) -> float:

@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--calib", default="wiki-calib")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8, help="calibration batch; >= processes batches needed")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--out-of-core", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("runs/scaling_parallel"))
@@ -49,7 +50,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     flags = ["compress", args.model, "--method", args.method, "--allocation", args.allocation, "--ratio",
              str(args.ratio), "--calib", args.calib, "--calib-samples", str(args.calib_samples), "--seq-len",
-             str(args.seq_len), "--no-eval", "--quiet", "--overwrite"] + (["--out-of-core"] if args.out_of_core else [])
+             str(args.seq_len), "--batch-size", str(args.batch_size), "--no-eval", "--quiet", "--overwrite"] + (["--out-of-core"] if args.out_of_core else [])
     n = args.processes
     single = [sys.executable, "-m", "retrofitter", *flags, "--out", str(args.out / "single")]
     parallel = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m",
