@@ -20,7 +20,7 @@ from .modules.quantize import QUANTIZE_SCHEMES, check_scheme, quantize_model, qu
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora", "heal"]
+           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -172,16 +172,18 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
 
 
 def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
-             checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
+             checkpoint_dir=None, remove_checkpoint: bool = True, parallel=None) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place on ``calibration`` token blocks [n, seq_len]; returns ``(model, report)``.
 
     ``checkpoint_dir`` (optional) makes the run resumable: finished layers are written there and an
-    interrupted run picks up after the last finished layer.
+    interrupted run picks up after the last finished layer. ``parallel`` (a ``pipelines.distributed.
+    DataParallel``): data-parallel calibration over the processes of a ``torchrun`` launch.
     """
     from .pipelines.compress import compress_model
+    from .pipelines.distributed import SINGLE_PROCESS
 
     return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir,
-                          remove_checkpoint=remove_checkpoint)
+                          remove_checkpoint=remove_checkpoint, parallel=parallel or SINGLE_PROCESS)
 
 
 def teacher_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8, progress: bool = True) -> dict:
@@ -250,6 +252,31 @@ def heal(model: nn.Module, teacher: nn.Module | None, blocks: torch.Tensor, conf
 
     return heal_model(model, teacher, blocks, config or HealConfig(), accelerator=accelerator, work_dir=work_dir,
                       progress=progress, on_step=on_step)
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a built-in alias, a local model directory or a hub id (no remote code)."""
+    import transformers
+
+    from .data.models import resolve_model_source
+
+    return transformers.AutoTokenizer.from_pretrained(resolve_model_source(name_or_path), trust_remote_code=False)
+
+
+def compress_out_of_core(name_or_path: str, out, config: CompressConfig, calibration: torch.Tensor, *, work_dir,
+                         tokenizer=None, dtype="float32", device="cpu", metadata: dict | None = None,
+                         overwrite: bool = False, progress: bool = True, parallel=None) -> tuple[nn.Module, dict]:
+    """Compress a safetensors model (alias or local directory) into ``out`` one decoder layer at a time, for
+    models larger than memory (pipelines/out_of_core.py); ``work_dir`` holds the finished layers (resumable).
+    Returns ``(model, report)``, ``model`` on the meta device (structure only). ``parallel``: a
+    ``pipelines.distributed.DataParallel`` (processes of a ``torchrun`` launch; rank 0 writes)."""
+    from .data.models import resolve_model_source
+    from .pipelines.distributed import SINGLE_PROCESS
+    from .pipelines.out_of_core import compress_out_of_core as run
+
+    return run(resolve_model_source(name_or_path), out, config, calibration, work_dir=work_dir,
+               dtype=resolve_dtype(dtype), device=resolve_device(device), tokenizer=tokenizer, metadata=metadata,
+               overwrite=overwrite, progress=progress, parallel=parallel or SINGLE_PROCESS)
 
 
 def write_json(data: dict, path) -> Path:

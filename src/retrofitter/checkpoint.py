@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -29,7 +29,8 @@ from .adapters.replacements import replacement_types
 from .errors import ModelLoadError, OutputBusyError
 from .modules.quantize import quantized_scheme
 
-__all__ = ["save_retrofitted", "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
+__all__ = ["save_retrofitted", "save_retrofitted_shards", "replacement_records",
+           "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
            "RETROFITTER_JSON"]
 
 RETROFITTER_JSON = "retrofitter.json"
@@ -105,24 +106,74 @@ def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, over
                          f"quantize it after loading (--quantize)")
     out = Path(out)
     prepare_output_dir(out, overwrite)
+    replaced = replacement_records(model)
+    with _staged_output(out) as tmp:
+        # The module names as they are (no reverse key renaming: GPT-NeoX's lm_head would become embed_out,
+        # which this loader, reading safetensors directly, would not map back).
+        model.save_pretrained(tmp, safe_serialization=True, save_original_format=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _write_info(tmp, replaced, metadata)
+    return out
+
+
+def replacement_records(model: nn.Module) -> dict:
+    """Module path -> ``{"type", "spec"}`` of every replaced module (``retrofitter.json``'s ``replacements``);
+    reads module structure only, so a model on the meta device describes itself too."""
     types = replacement_types()
     replaced = {}
     for path, module in model.named_modules():
         name = type(module).__name__
         if name in types and path:
             replaced[path] = {"type": name, "spec": types[name].spec(module)}
+    return replaced
+
+
+def save_retrofitted_shards(out, config, shards: list[tuple[str, Callable[[], dict]]], replacements: dict,
+                            metadata: dict, tokenizer=None, generation_config=None, overwrite: bool = False) -> Path:
+    """Write a model one shard at a time (out-of-core compression): ``shards`` lists (name, a function returning
+    that shard's tensors), each called, written and dropped in turn. Same directory as
+    :func:`save_retrofitted` (``config.json``, ``retrofitter.json``, safetensors), the weights split into
+    ``model-0000i-of-0000n.safetensors`` with HF's ``model.safetensors.index.json``; atomic like it."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    prepare_output_dir(out, overwrite)
+    weight_map, total = {}, 0
+    with _staged_output(out) as tmp:
+        for number, (_name, tensors_of) in enumerate(shards, start=1):
+            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {k: v.detach().contiguous() for k, v in tensors_of().items()}
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update({key: file for key in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _write_info(tmp, replacements, metadata)
+    return out
+
+
+def _write_info(directory: Path, replacements: dict, metadata: dict) -> None:
+    info = {"format_version": FORMAT_VERSION, "replacements": replacements, **metadata}
+    info.setdefault("versions", _versions())
+    (directory / RETROFITTER_JSON).write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
+@contextlib.contextmanager
+def _staged_output(out: Path) -> Iterator[Path]:
+    """A temporary sibling directory of ``out`` for the body to fill; renamed to ``out`` (replacing it) when
+    the body succeeds, removed when it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the output gets the user's normal permissions
-        # The module names as they are (no reverse key renaming: GPT-NeoX's lm_head would become embed_out,
-        # which this loader, reading safetensors directly, would not map back).
-        model.save_pretrained(tmp, safe_serialization=True, save_original_format=False)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        info = {"format_version": FORMAT_VERSION, "replacements": replaced, **metadata}
-        info.setdefault("versions", _versions())
-        (tmp / RETROFITTER_JSON).write_text(json.dumps(info, indent=2, sort_keys=True))
+        yield tmp
         if out.exists():
             backup = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, backup)
@@ -133,7 +184,6 @@ def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, over
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def read_retrofitter_json(path) -> dict:

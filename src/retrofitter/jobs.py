@@ -6,14 +6,16 @@ they return; a script can call them the same way. The record itself is built by 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 
-from .api import compress, evaluate, evaluation_blocks, heal, linearize, load_model, save
+from .api import compress, compress_out_of_core, evaluate, evaluation_blocks, heal, linearize, load_model, load_tokenizer, save
 from .checkpoint import (RETROFITTER_JSON, check_writable, is_retrofitted_dir, output_lock, prepare_output_dir,
                          read_retrofitter_json)
 from .config import CompressConfig, EvalConfig, HealConfig, LinearizeConfig
@@ -22,6 +24,7 @@ from .data.corpora import check_corpus, load_text
 from .eval.accounting import account
 from .eval.perplexity import perplexity
 from .eval.resources import current_rss_mb, peak_rss_mb, sampled_rss
+from .pipelines.distributed import SINGLE_PROCESS, data_parallel_from_env
 from .pipelines.linearize import check_linearize_config
 from .pipelines.sequential import CalibrationError
 
@@ -33,12 +36,17 @@ NO_EVAL = EvalConfig(corpora=())  # accounting only, no perplexity
 def compress_job(model_name: str, out, config: CompressConfig, eval_config: EvalConfig = NO_EVAL, *,
                  calib: str = "wiki-calib", calib_samples: int = 64, seq_len: int = 512, overwrite: bool = False,
                  measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True,
-                 heal_config: HealConfig | None = None) -> dict:
+                 heal_config: HealConfig | None = None, out_of_core: bool = False) -> dict:
     """Compress ``model_name`` on ``calib_samples`` blocks of ``seq_len`` tokens of ``calib``, save to ``out``
     (resumable through ``.OUT.partial`` beside it, removed once ``out`` is in place), evaluate; returns the
     results record. Every argument is checked before any work; one run at a time may write ``out``.
     ``heal_config`` (``--heal-tokens``): heal the compressed model (distillation from the original on
-    ``calib``) before saving; the record then holds ``before`` (compressed) and ``original`` too."""
+    ``calib``) before saving; the record then holds ``before`` (compressed) and ``original`` too.
+
+    ``out_of_core``: the model is read one decoder layer at a time from its safetensors shards and never
+    held whole (docs/scaling.md); the result is not evaluated (run ``retrofitter eval OUT``). Under
+    ``torchrun`` the calibration is data-parallel over the processes (gloo on CPU, NCCL on CUDA) and
+    rank 0 writes ``out``; the other processes return their own compression report."""
     out = Path(out)
     if calib_samples < 1:
         raise ValueError(f"--calib-samples must be >= 1, got {calib_samples}")
@@ -46,21 +54,25 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
         raise ValueError(f"--seq-len must be >= 2 (a block needs a next token), got {seq_len}")
     check_corpus(calib, "--calib")
     _check_outputs(out, overwrite, eval_config)
-    with output_lock(out):
+    if out_of_core and heal_config is not None:
+        raise ValueError("--heal-tokens needs the model in memory; heal the --out-of-core result afterwards with "
+                         "`retrofitter heal OUT`")
+    parallel = data_parallel_from_env(device)
+    with output_lock(out) if parallel.rank == 0 else contextlib.nullcontext():
+        if out_of_core:
+            return compress_out_of_core_job(model_name, out, config, calib, calib_samples, seq_len, overwrite,
+                                            dtype, device, progress, parallel)
         return _compress(model_name, out, config, eval_config, calib, calib_samples, seq_len, overwrite,
-                         measure_cost, dtype, device, progress, heal_config)
+                         measure_cost, dtype, device, progress, heal_config, parallel)
 
 
 def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, seq_len, overwrite, measure_cost,
-              dtype, device, progress, heal_config=None) -> dict:
+              dtype, device, progress, heal_config=None, parallel=SINGLE_PROCESS) -> dict:
     timings = {}
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
-    calibration = token_blocks(tokenizer, load_text(calib), seq_len=seq_len, max_blocks=calib_samples)
-    if calibration.shape[0] < calib_samples:
-        raise CalibrationError(f"calibration corpus {calib!r} gives only {calibration.shape[0]} blocks of "
-                               f"{seq_len} tokens; --calib-samples asks for {calib_samples}")
+    calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
     before = account(model)
     memory = {"after_load": current_rss_mb()}
     if measure_cost:  # one plain forward over the calibration tokens: the unit of the cost ratio
@@ -71,8 +83,11 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
     compress_memory: dict = {}
     partial = out.parent / f".{out.name}.partial"
     with sampled_rss(compress_memory, interval_s=0.05):  # the compression alone (not the --measure-cost forward)
-        model, report = compress(model, config, calibration, progress=progress, checkpoint_dir=partial,
-                                 remove_checkpoint=False)
+        model, report = compress(model, config, calibration, progress=progress and parallel.rank == 0,
+                                 checkpoint_dir=partial, remove_checkpoint=False, parallel=parallel)
+    parallel.barrier()  # every process has saved its last layer before rank 0 removes the partial directory
+    if parallel.rank != 0:
+        return {"rank": parallel.rank, "processes": parallel.world_size, "compress_report": report}
     timings["compress"] = report["timings_s"]["total"]
     metadata = {"method": config.method, "ratio": config.ratio, "source_model": model_name,
                 "config": config.to_dict(), "calibration": {"corpus": calib, "blocks": calibration.shape[0],
@@ -107,6 +122,57 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
     results["layers"] = report["layers"]
     if healing is not None:
         _add_heal_sections(results, healing)
+    results["processes"] = parallel.world_size
+    return results
+
+
+# characters of text tokenized per calibration token wanted (then the whole text if that was too little)
+CALIBRATION_CHARS_PER_TOKEN = 16
+
+
+def calibration_blocks(tokenizer, calib: str, seq_len: int, calib_samples: int):
+    """The first ``calib_samples`` blocks of ``seq_len`` tokens of corpus ``calib`` [n, seq_len].
+
+    Tokenizes a prefix of the text first (``CALIBRATION_CHARS_PER_TOKEN`` characters per token wanted): when
+    it gives one block more than asked, the blocks kept end a whole block before the cut, so they are the
+    blocks of the whole text, without the memory of tokenizing all of it; otherwise the whole text."""
+    text = load_text(calib)
+    prefix = text[:CALIBRATION_CHARS_PER_TOKEN * seq_len * (calib_samples + 1)]
+    blocks = token_blocks(tokenizer, prefix, seq_len=seq_len, max_blocks=calib_samples + 1) if prefix else None
+    if blocks is None or len(prefix) == len(text) or blocks.shape[0] <= calib_samples:
+        blocks = token_blocks(tokenizer, text, seq_len=seq_len, max_blocks=calib_samples + 1)
+    if blocks.shape[0] < calib_samples:
+        raise CalibrationError(f"calibration corpus {calib!r} gives only {blocks.shape[0]} blocks of "
+                               f"{seq_len} tokens; --calib-samples asks for {calib_samples}")
+    return blocks[:calib_samples]
+
+
+def compress_out_of_core_job(model_name, out: Path, config, calib, calib_samples, seq_len, overwrite, dtype, device,
+                             progress, parallel=SINGLE_PROCESS) -> dict:
+    """``compress_job(..., out_of_core=True)`` after its checks: the results record (accounting, no perplexity)."""
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(model_name)
+    calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
+    partial = out.parent / f".{out.name}.partial"
+    metadata = {"method": config.method, "ratio": config.ratio, "source_model": model_name,
+                "config": config.to_dict(), "out_of_core": True,
+                "calibration": {"corpus": calib, "blocks": calibration.shape[0], "seq_len": seq_len}}
+    memory: dict = {}
+    with sampled_rss(memory, interval_s=0.05):
+        model, report = compress_out_of_core(model_name, out, config, calibration, work_dir=partial,
+                                             tokenizer=tokenizer, dtype=dtype, device=device,
+                                             metadata=metadata, overwrite=overwrite,
+                                             progress=progress and parallel.rank == 0, parallel=parallel)
+    if parallel.rank != 0:
+        return {"rank": parallel.rank, "processes": parallel.world_size, "compress_report": report}
+    shutil.rmtree(partial, ignore_errors=True)
+    results = evaluate(model, tokenizer, NO_EVAL, progress=False, name=model_name, method=config.method,
+                       ratio=config.ratio)
+    results.update(out=str(out), out_of_core=True, processes=parallel.world_size, calibration=report["calibration"],
+                   compress_peak_rss_mb=memory["peak_mb"], allocation=report["allocation"], layers=report["layers"])
+    results["settings"].update({"calib": calib, "calib_samples": calibration.shape[0], "calib_seq_len": seq_len,
+                                "compress_config": config.to_dict()})
+    results["timings_s"].update(total=time.perf_counter() - start, compress_breakdown=report["timings_s"])
     return results
 
 
@@ -124,7 +190,8 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
     check_linearize_config(config)
     check_corpus(train_corpus, "--train-corpus")
     _check_outputs(out, overwrite, eval_config)
-    with output_lock(out):
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun accelerate runs the processes; rank 0 writes
+    with output_lock(out) if rank == 0 else contextlib.nullcontext():
         return _linearize(model_name, out, config, eval_config, preset, train_corpus, work_dir, eval_original,
                           overwrite, dtype, device, progress)
 
@@ -151,6 +218,8 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
                               teacher=teacher)
     del teacher
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {"rank": int(os.environ["RANK"]), "linearize_report": report}
     timings.update(report["timings_s"])
     linearize_peak = peak_rss_mb()
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),

@@ -30,8 +30,9 @@ def _permute_output_rows(module: nn.Module, permutation: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def lead_mlp_pivots(model: nn.Module) -> int:
-    """Apply the permutation (module docstring) in every layer where it applies; returns how many.
+def lead_mlp_pivots(model: nn.Module, indices=None) -> int:
+    """Apply the permutation (module docstring) in every layer where it applies (only the decoder layers
+    ``indices`` when given); returns how many.
 
     It applies when the consumer (down, fc2) is a junction ``LatentLinear`` whose pivots do not lead
     yet and every producer is an ``nn.Linear`` or ``LatentLinear`` (other wrappers are left alone).
@@ -39,7 +40,8 @@ def lead_mlp_pivots(model: nn.Module) -> int:
     adapter = adapter_for(model)
     producers, consumer_name = adapter.mlp_intermediate()
     changed = 0
-    for layer in adapter.decoder_layers(model):
+    layers = adapter.decoder_layers(model)
+    for layer in (layers if indices is None else [layers[i] for i in indices]):
         consumer = adapter.get_linear(layer, consumer_name)
         if not isinstance(consumer, LatentLinear) or not consumer.junction or consumer.pivots_lead():
             continue

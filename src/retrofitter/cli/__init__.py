@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="heal the compressed model with this many tokens of distillation from the original "
                                "(on --calib, blocks of --seq-len; other settings as `retrofitter heal`) before saving")
     compress.add_argument("--heal-minutes", type=float, default=0.0, help="time budget of that healing (minutes)")
+    compress.add_argument("--out-of-core", action="store_true",
+                          help="read the model one decoder layer at a time from its safetensors shards (models larger "
+                               "than memory; --allocation uniform; no evaluation: run `retrofitter eval OUT`)")
     _add_output_flags(compress)
     _add_eval_flags(compress, "--eval", "wiki-eval")
     _add_common(compress)
@@ -200,10 +203,13 @@ def cmd_compress(args) -> int:
     heal_config = None
     if args.heal_tokens or args.heal_minutes:
         heal_config = HealConfig(tokens=args.heal_tokens, minutes=args.heal_minutes, seq_len=args.seq_len)
-    return _show(compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
-                              calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
-                              measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
-                              progress=not args.quiet, heal_config=heal_config), args)
+    results = compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
+                           calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
+                           measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
+                           progress=not args.quiet, heal_config=heal_config, out_of_core=args.out_of_core)
+    if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
+        return 0
+    return _show(results, args)
 
 
 def cmd_heal(args) -> int:
@@ -222,10 +228,12 @@ def cmd_linearize(args) -> int:
     config = config_from_args(LinearizeConfig, args, base=preset.get("config"))
     if args.preset and args.max_eval_tokens is None:
         args.max_eval_tokens = preset["eval_max_tokens"]
-    return _show(linearize_job(args.model, args.out, config, _eval_config(args, config.seq_len), preset=args.preset,
-                               train_corpus=args.train_corpus, work_dir=args.work_dir, eval_original=args.eval_original,
-                               overwrite=args.overwrite, dtype=args.dtype, device=args.device,
-                               progress=not args.quiet), args)
+    results = linearize_job(args.model, args.out, config, _eval_config(args, config.seq_len), preset=args.preset,
+                            train_corpus=args.train_corpus, work_dir=args.work_dir, eval_original=args.eval_original,
+                            overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet)
+    if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
+        return 0
+    return _show(results, args)
 
 
 def cmd_bench(args) -> int:

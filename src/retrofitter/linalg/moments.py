@@ -14,6 +14,8 @@ Only the running sums Σ w x and Σ w x xᵀ are kept, so activations are never 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = [
@@ -117,6 +119,17 @@ class SecondMomentAccumulator:
         self._count += other._count
         return self
 
+    def synchronize(self, all_reduce_sum: Callable[[torch.Tensor], None]) -> "SecondMomentAccumulator":
+        """Replace the sums by their totals over processes (data-parallel calibration, each process having
+        accumulated its own blocks); ``all_reduce_sum(t)`` sums ``t`` in place across processes
+        (``torch.distributed.all_reduce``). Σ over processes of (Σ w x, Σ w x xᵀ, Σ w) = the sums of one
+        process over all blocks, up to the order of the float64 additions. Returns ``self``."""
+        count = torch.tensor([self._count], dtype=torch.float64, device=self.device)
+        for tensor in (self._weighted_sum, self._weighted_outer, count):
+            all_reduce_sum(tensor)
+        self._count = float(count.item())
+        return self
+
     @property
     def count(self) -> float:
         """Total weight Σ w (the number of rows when unweighted)."""
@@ -189,6 +202,14 @@ class CrossMomentAccumulator:
             raise ValueError("cannot merge cross-moment accumulators of different shapes")
         self._weighted_outer += other._weighted_outer.to(self.device)
         self._count += other._count
+        return self
+
+    def synchronize(self, all_reduce_sum: Callable[[torch.Tensor], None]) -> "CrossMomentAccumulator":
+        """Sums totalled over processes, as :meth:`SecondMomentAccumulator.synchronize`; returns ``self``."""
+        count = torch.tensor([self._count], dtype=torch.float64, device=self.device)
+        for tensor in (self._weighted_outer, count):
+            all_reduce_sum(tensor)
+        self._count = float(count.item())
         return self
 
     @property

@@ -44,6 +44,7 @@ from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
 from .calibration import LayerStream, collect_input_moments
+from .distributed import SINGLE_PROCESS, DataParallel
 
 __all__ = ["RankItem", "WEIGHTINGS", "RANK_PLANS", "KV_PRICE_MULTIPLES", "allocate_ranks", "allocate_with_kv_budget",
            "kept_gain", "weighted_spectra", "damped_root", "uniform_plan", "global_plan",
@@ -184,14 +185,15 @@ def damped_root(moment: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Tensor, targets: list[str],
-                               n_blocks: int) -> dict:
+                               n_blocks: int, parallel: DataParallel = SINGLE_PROCESS) -> dict:
     """f_m = Σ_t ‖∂L/∂y_{m,t}‖² / (T · d'_m) for every (layer index, name) in ``targets`` (module docstring).
 
     Backward passes (one block at a time) over the first ``n_blocks`` rows of ``calibration``
     [n, seq_len] with the summed next-token loss; weights stay frozen: only the embedding output
-    requires a gradient, which is enough for every projection output to get one.
+    requires a gradient, which is enough for every projection output to get one. With several processes
+    (``parallel``) each takes every W-th of those blocks and the sums and token counts are all-reduced.
     """
-    blocks = calibration[: max(1, n_blocks)]
+    blocks = calibration[: max(1, n_blocks)][parallel.rank::parallel.world_size]
     layers = adapter.decoder_layers(model)
     sums: dict = {(index, name): 0.0 for index in range(len(layers)) for name in targets}
     tokens = 0
@@ -227,6 +229,11 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
         for handle in handles:
             handle.remove()
         model.train(was_training)
+    if parallel.active:  # Σ over the processes' blocks: one float64 vector [keys..., tokens]
+        keys = list(sums)
+        totals = torch.tensor([sums[k] for k in keys] + [tokens], dtype=torch.float64, device=device)
+        parallel.all_reduce_sum(totals)
+        sums, tokens = dict(zip(keys, totals[:-1].tolist())), float(totals[-1])
     bad = [key for key, value in sums.items() if not math.isfinite(value)]
     if bad:
         raise FloatingPointError(f"non-finite loss gradient at the output of layer {bad[0][0]} {bad[0][1]!r}")
@@ -250,23 +257,29 @@ def uniform_plan(model: nn.Module, adapter, config: CompressConfig, targets: lis
 
 @torch.no_grad()
 def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: LayerStream,
-                targets: list[str], calibration: torch.Tensor | None = None) -> tuple[dict, dict]:
+                targets: list[str], calibration: torch.Tensor | None = None,
+                parallel: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:
     """One teacher pass over all layers → weighted spectra → greedy plan. Returns (plan, report).
 
-    ``calibration`` (token blocks) is needed by the ``fisher`` weighting (its backward passes).
+    ``calibration`` (token blocks) is needed by the ``fisher`` weighting (its backward passes). With several
+    processes (``parallel``, each with its share of the ``stream``) the moments and the gradient sums are
+    all-reduced, so every process makes the plan of all the blocks.
     """
     layers = adapter.decoder_layers(model)
     importance = {}
     if config.allocation_weighting == "fisher":
         if calibration is None:
             raise ValueError("the 'fisher' allocation weighting needs the calibration token blocks")
-        importance = output_gradient_importance(model, adapter, calibration, targets, config.allocation_gradient_blocks)
+        importance = output_gradient_importance(model, adapter, calibration, targets, config.allocation_gradient_blocks,
+                                                parallel)
     leader_of = {name: group[0] for group in adapter.linear_groups for name in group}
     items: dict = {}
     scale = None
     for index, layer in enumerate(layers):
         leaders = {leader_of[n]: adapter.get_linear(layer, leader_of[n]) for n in targets}
         moments, stream = collect_input_moments(layer, stream, leaders, keep_outputs=True)  # one pass: both
+        for accumulator in moments.values():
+            accumulator.synchronize(parallel.all_reduce_sum)
         if scale is None:  # input energy of the first layer: a model-wide normalisation for "absolute"
             scale = float(torch.diagonal(next(iter(moments.values())).second_moment).sum())
         roots: dict = {}  # (leader, centered) -> damped root: one eigendecomposition per distinct input
@@ -332,24 +345,24 @@ def _keep_by_layer(items: dict, plan: dict, junction: bool) -> list[float]:
     return result
 
 
-def _uniform_planner(model, adapter, config, targets, calibration):
+def _uniform_planner(model, adapter, config, targets, calibration, parallel):
     return lambda _stream: (uniform_plan(model, adapter, config, targets), {"allocation": "uniform"})
 
 
-def _global_planner(model, adapter, config, targets, calibration):
+def _global_planner(model, adapter, config, targets, calibration, parallel):
     def plan(stream: LayerStream | None):
         if stream is None:
             raise ValueError("global allocation needs the calibration stream (or a plan computed beforehand)")
-        result, report = global_plan(model, adapter, config, stream, targets, calibration)
+        result, report = global_plan(model, adapter, config, stream, targets, calibration, parallel)
         return result, {"allocation": "global", **report}
     return plan
 
 
-# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration) -> Planner
+# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration, parallel) -> Planner
 RANK_PLANS: dict[str, Callable] = {"uniform": _uniform_planner, "global": _global_planner}
 
 
 def make_planner(model: nn.Module, adapter, config: CompressConfig, targets: list[str],
-                 calibration: torch.Tensor | None):
+                 calibration: torch.Tensor | None, parallel: DataParallel = SINGLE_PROCESS):
     """The planner of ``config.allocation``: called by the loop with the captured stream, returns (plan, report)."""
-    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration)
+    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration, parallel)

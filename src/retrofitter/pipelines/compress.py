@@ -22,6 +22,7 @@ from ..adapters import adapter_for
 from ..config import CompressConfig
 from .allocation import RankItem, make_planner, output_gradient_importance, plan_from_items
 from .calibration import capture_stream, collect_input_moments
+from .distributed import SINGLE_PROCESS, DataParallel
 from .latentllm import LatentLLMStrategy
 from .local_svd import LocalSVDStrategy
 from .sequential import CalibrationError, run_sequential, target_names
@@ -42,18 +43,22 @@ def strategy_name(config: CompressConfig) -> str:
 
 
 def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
-                   checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
+                   checkpoint_dir=None, remove_checkpoint: bool = True, parallel: DataParallel = SINGLE_PROCESS,
+                   offload=None) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place on calibration token blocks [n, seq_len]; returns ``(model, report)``.
 
     ``checkpoint_dir`` makes the run resumable (pipelines/resume.py); it is removed on success unless
-    ``remove_checkpoint`` is False.
+    ``remove_checkpoint`` is False. ``parallel``: data-parallel calibration over the processes of a
+    ``torchrun`` launch (pipelines/distributed.py; every process passes the same blocks); ``offload``: a
+    meta-device model read layer by layer (pipelines/offload.py, see ``compress_out_of_core``).
     """
     adapter = adapter_for(model)
     targets = target_names(adapter, config)
     strategy = STRATEGIES[strategy_name(config)](config, None)
-    planner = make_planner(model, adapter, config, targets, calibration)
+    planner = make_planner(model, adapter, config, targets, calibration, parallel)
     return run_sequential(model, config, strategy, planner, calibration=calibration, progress=progress,
-                          checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint)
+                          checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint, offload=offload,
+                          parallel=parallel)
 
 
 @torch.no_grad()

@@ -20,6 +20,9 @@ they run on the centered moments and each projection's bias is compensated after
 mean, the solvers' objectives then concern the fluctuations only). The auxiliary-variable MLP does not
 support biases and falls back to the streaming variant (logged).
 
+With several processes (pipelines/distributed.py) every statistic is totalled over them and each process
+makes the same joint fits from the same moments (the loop then broadcasts rank 0's layer).
+
 Ranks come from the loop's plan (pipelines/allocation.py: uniform, or global by default). With ``latent_attention`` the attention modules are finally swapped for
 ``LatentAttention`` (latent k/v cache, r_k + r_v numbers per token and layer).
 """
@@ -212,6 +215,7 @@ class _LatentLLMLayer:
             self.context.run()
         finally:
             handle.remove()
+        self.context.synchronize(cross, hat, sums["h"])  # totals over the processes' calibration shares
         hat.check_finite(f"layer {self.index} compressed MLP intermediate")
         has_bias = down.bias is not None
         cross_moment, hat_moment = cross.cross_moment, hat.second_moment
@@ -236,6 +240,9 @@ class _LatentLLMLayer:
     def _auxiliary(self, inputs, down_name: str) -> bool:
         """Joint auxiliary-variable MLP on a token subsample; False (→ streaming) when unsupported."""
         modules = [self.linear(n) for n in (*inputs, down_name)]
+        if self.context.parallel.active:
+            raise ValueError("mlp_algorithm='auxiliary' fits on a token subsample of one process; with several "
+                             "processes use the default --mlp-algorithm streaming")
         if any(m.bias is not None for m in modules):
             log.info("layer %d: auxiliary-variable MLP has no bias support; using the streaming variant", self.index)
             return False

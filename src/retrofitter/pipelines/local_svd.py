@@ -7,6 +7,9 @@ bias, the fit uses the centered C0 = C − μμᵀ and the bias is compensated, 
 With ``statistics="teacher_target"`` each fit reproduces the *original* model's output W x_t from the
 compressed model's input x_c instead (linalg/teacher_target.py; :func:`fit_teacher_target`).
 
+With several processes (pipelines/distributed.py) the fits of a layer (or of a projection group) are
+spread over them (``LayerContext.fit_spread``) and every factor is broadcast from the process that made it.
+
 Where the statistics come from (``CompressConfig.refit_within_layer``):
 * ``False`` — one pass of the original layer gives the input moments of every projection group;
 * ``True`` — group by group in execution order (q/k/v, o, gate/up, down), each group's input moments
@@ -15,6 +18,8 @@ Where the statistics come from (``CompressConfig.refit_within_layer``):
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -117,9 +122,8 @@ class LocalSVDStrategy:
         groups = [(group, leader) for group, leader in zip(groups, (g[0] for g in adapter.linear_groups)) if group]
         preconditioners: dict = {}
         if context.precomputed is not None:  # layer index -> name -> accumulator, computed beforehand
-            for group, _ in groups:
-                for name in group:
-                    fit_local(context, name, context.precomputed[name], preconditioners, self.svd_cache)
+            context.fit_spread({name: partial(fit_local, context, name, context.precomputed[name], preconditioners,
+                                              self.svd_cache) for group, _ in groups for name in group})
             return
         if context.config.statistics == "teacher_target":
             collect = context.paired_moments
@@ -130,13 +134,11 @@ class LocalSVDStrategy:
         if context.config.refit_within_layer:
             for group, leader in groups:
                 statistics = collect({leader: context.linear(leader)})[leader]
-                for name in group:
-                    fit(context, name, statistics)
+                context.fit_spread({name: partial(fit, context, name, statistics) for name in group})
         else:
             statistics = collect({leader: context.linear(leader) for _, leader in groups})
-            for group, leader in groups:
-                for name in group:
-                    fit(context, name, statistics[leader])
+            context.fit_spread({name: partial(fit, context, name, statistics[leader])
+                                for group, leader in groups for name in group})
 
     def finish(self, model: nn.Module, targets: list[str]) -> dict:
         return {}

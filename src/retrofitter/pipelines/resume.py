@@ -83,7 +83,8 @@ class RunDirectory:
         tmp.replace(target)
 
     def load_tensors(self, name: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        return load_file(str(self.tensors_path(name)), device=str(device))
+        device = torch.device(device)  # safetensors refuses "cpu:0" (accelerate's CPU device under torchrun)
+        return load_file(str(self.tensors_path(name)), device="cpu" if device.type == "cpu" else str(device))
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -10,6 +10,11 @@
         checkpoint: the layer's weights, the stream and the reports (pipelines/resume.py)
     finish: exact channel permutation of the MLPs, then the strategy's own last step
 
+Scale-out variants run the same loop: ``offload`` (pipelines/offload.py) keeps the model on the meta
+device and reads each layer from its safetensors shards before its fit and frees it after its
+checkpoint (out of core); ``parallel`` (pipelines/distributed.py) gives each process a share of the
+calibration batches, all-reduces every statistic and spreads the fits of a layer over the processes.
+
 Strategies own no loop: they receive a :class:`LayerContext` per layer, whose ``moments`` and
 ``run`` are the only ways to pass data through the layer (so the loop knows when the original
 layer's outputs, needed by ``statistics="teacher"``, were computed). A strategy may also run on
@@ -19,11 +24,12 @@ Peak memory ≈ model + one layer's statistics + the calibration activations at 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -37,9 +43,12 @@ from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .diagnostics import calibration_diagnostics
+from .distributed import SINGLE_PROCESS, DataParallel, share_replacement
+from .layer_checkpoint import restore_layers, save_layer_progress
 from .resume import RunDirectory, fingerprint
 
-__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "Planner", "run_sequential", "target_names",
+__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "LayerOffload", "Planner", "run_sequential",
+           "target_names", "check_layer_weights",
            "check_compressible", "summarize"]
 
 log = logging.getLogger(__name__)
@@ -73,6 +82,7 @@ class LayerContext:
     passes: int = 0  # passes over the calibration stream
     teacher_outputs: LayerStream | None = None  # the original layer's outputs, when recorded
     originals: dict = field(default_factory=dict)  # projection name -> the module before replacement
+    parallel: DataParallel = SINGLE_PROCESS  # this process's place in data-parallel calibration
 
     def __post_init__(self):
         self.originals = {name: self.linear(name) for name in self.adapter.linear_names}
@@ -100,8 +110,37 @@ class LayerContext:
         else:
             accumulators = collect_input_moments(self.layer, self.stream, modules)
         for name, accumulator in accumulators.items():
-            accumulator.check_finite(self.where(name))
+            accumulator.synchronize(self.parallel.all_reduce_sum).check_finite(self.where(name))
         return accumulators
+
+    def synchronize(self, *accumulators) -> None:
+        """Moment accumulators (or plain sum tensors) a strategy filled itself, totalled over processes."""
+        for accumulator in accumulators:
+            if isinstance(accumulator, torch.Tensor):
+                self.parallel.all_reduce_sum(accumulator)
+            else:
+                accumulator.synchronize(self.parallel.all_reduce_sum)
+
+    def fit_spread(self, fits: dict[str, Callable[[], None]]) -> None:
+        """Run ``fits`` (projection name -> a fit that calls :meth:`replace` for that name) spread over the
+        processes: each runs the fits it owns (round-robin, shifted by the layer index), then every
+        replacement is broadcast from its owner. One process: all fits, in order."""
+        if not self.parallel.active:
+            for fit in fits.values():
+                fit()
+            return
+        owners = {name: self.parallel.owner(self.index + i) for i, name in enumerate(fits)}
+        for name, fit in fits.items():
+            if owners[name] == self.parallel.rank:
+                fit()
+        for name, owner in owners.items():
+            original = self.linear(name)
+            mine = owner == self.parallel.rank
+            module, entry = share_replacement(
+                self.parallel, owner, original if mine else None, self.entries.get(name) if mine else None,
+                lambda entry, original=original: _empty_latent(entry, original, self.config.junction))
+            if not mine:
+                self.replace(name, module, entry)
 
     @torch.no_grad()
     def paired_moments(self, modules: dict[str, nn.Module]) -> dict[str, tuple]:
@@ -125,6 +164,7 @@ class LayerContext:
         for name, (moment, cross, sum_t) in stats.items():
             moment.check_finite(self.where(name))
             cross.check_finite(self.where(name))
+            self.synchronize(moment, cross, sum_t)
             result[name] = (moment, sum_t / cross.count, cross)
         return result
 
@@ -150,8 +190,25 @@ class LayerStrategy(Protocol):
     def finish(self, model: nn.Module, targets: list[str]) -> dict: ...
 
 
+class LayerOffload(Protocol):
+    """Where the layers of a model kept on the meta device come from (pipelines/offload.py)."""
+
+    def capturing(self) -> ContextManager: ...  # the modules before layer 0, materialised for the capture
+
+    def onload(self, index: int, layer: nn.Module) -> None: ...  # layer's tensors read, on the device
+
+    def release(self, index: int, layer: nn.Module) -> None: ...  # layer's tensors back to the meta device
+
+
 def _device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
+
+
+def _empty_latent(entry: dict, original: nn.Module, junction: bool) -> LatentLinear:
+    """An empty LatentLinear of a report entry's shape (a receiver of :func:`share_replacement`)."""
+    reference = original.weight
+    return LatentLinear(entry["in"], entry["out"], entry["rank"], junction=junction, bias=original.bias is not None,
+                        dtype=reference.dtype, device=reference.device)
 
 
 def target_names(adapter: ModelAdapter, config: CompressConfig) -> list[str]:
@@ -163,19 +220,25 @@ def target_names(adapter: ModelAdapter, config: CompressConfig) -> list[str]:
     return [n for n in names if not config.targets or n in config.targets]
 
 
+def check_layer_weights(adapter: ModelAdapter, layer: nn.Module, index: int, targets: list[str]) -> None:
+    """Every target of ``layer`` is a dense ``nn.Linear`` with finite weights."""
+    for name in targets:
+        linear = adapter.get_linear(layer, name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"layer {index} projection {name!r} is a {type(linear).__name__} already: this model "
+                             f"was converted before; compress the original model instead")
+        if not torch.isfinite(linear.weight).all():
+            raise ValueError(f"non-finite values (NaN/Inf) in the weights of layer {index} projection {name!r} "
+                             f"({adapter.linear_path_in_model(index, name)})")
+
+
 def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[str],
-                       calibration: torch.Tensor | None) -> None:
-    """Fail before any work: non-finite weights, calibration of the wrong shape or too few tokens."""
+                       calibration: torch.Tensor | None, weights: bool = True) -> None:
+    """Fail before any work: non-finite weights (unless ``weights`` is False: an out-of-core loop checks each
+    layer when it is read), calibration of the wrong shape or too few tokens."""
     layers = adapter.decoder_layers(model)
-    for index, layer in enumerate(layers):
-        for name in targets:
-            linear = adapter.get_linear(layer, name)
-            if not isinstance(linear, nn.Linear):
-                raise ValueError(f"layer {index} projection {name!r} is a {type(linear).__name__} already: this model "
-                                 f"was converted before; compress the original model instead")
-            if not torch.isfinite(linear.weight).all():
-                raise ValueError(f"non-finite values (NaN/Inf) in the weights of layer {index} projection {name!r} "
-                                 f"({adapter.linear_path_in_model(index, name)})")
+    for index, layer in enumerate(layers if weights else []):
+        check_layer_weights(adapter, layer, index, targets)
     if calibration is None:
         return
     if calibration.ndim != 2:
@@ -190,25 +253,33 @@ def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[st
 @torch.no_grad()
 def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStrategy, planner: Planner, *,
                    calibration: torch.Tensor | None = None, precomputed: dict | None = None, progress: bool = True,
-                   checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
+                   checkpoint_dir=None, remove_checkpoint: bool = True, offload: LayerOffload | None = None,
+                   parallel: DataParallel = SINGLE_PROCESS) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place (module docstring); returns ``(model, report)``.
 
     Give either ``calibration`` token blocks [n_blocks, seq_len] (the stream is captured and
     propagated) or ``precomputed`` statistics (layer index -> projection name -> accumulator).
     ``checkpoint_dir`` makes the run resumable; it is removed when the run completes unless
     ``remove_checkpoint`` is False (a caller that saves the model removes it once the save is in place).
+    ``offload``: ``model`` is on the meta device and each layer is read before its fit and freed after it
+    (needs ``checkpoint_dir``: the finished layers' weights stay there, ``layer_<l>.safetensors``, for the
+    caller to write out). ``parallel``: this process's share of data-parallel calibration (every process
+    passes the same ``calibration``; each captures its own batches).
     """
     start = time.perf_counter()
     adapter = adapter_for(model)
     layers = adapter.decoder_layers(model)
     targets = target_names(adapter, config)
-    check_compressible(model, adapter, targets, calibration)
+    check_compressible(model, adapter, targets, calibration, weights=offload is None)
+    if offload is not None and (checkpoint_dir is None or calibration is None):
+        raise ValueError("out-of-core compression needs the calibration blocks and a checkpoint directory")
     model.eval()
     timings = {"capture": 0.0, "allocation": 0.0, "fit": 0.0, "propagation": 0.0}
     stream, teacher_stream, diagnostics = None, None, None
     if calibration is not None:
         t0 = time.perf_counter()
-        stream = capture_stream(model, adapter, calibration, config.batch_size)
+        with offload.capturing() if offload is not None else contextlib.nullcontext():
+            stream = capture_stream(model, adapter, parallel.shard(calibration, config.batch_size), config.batch_size)
         diagnostics = calibration_diagnostics(calibration, stream)
         if config.statistics == "teacher_target":  # one more activation buffer: the original model's stream
             teacher_stream = stream.clone()
@@ -220,10 +291,13 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
 
     run_dir, first, reports = None, 0, []
     if checkpoint_dir is not None and stream is not None:
+        if parallel.active:  # each process resumes its own stream
+            checkpoint_dir = f"{checkpoint_dir}/rank{parallel.rank}"
         run_dir = RunDirectory(checkpoint_dir, fingerprint(config.to_dict(), calibration,
                                                            str(getattr(model, "name_or_path", "")),
                                                            model.config.to_dict()))
-        first, reports, stream, teacher_stream = _restore(run_dir, model, adapter, stream, teacher_stream, config)
+        first, reports, stream, teacher_stream = restore_layers(run_dir, model, adapter, stream, teacher_stream, config,
+                                                          load_weights=offload is None)
         if first:
             log.info("resuming compression after layer %d from %s", first - 1, run_dir.path)
 
@@ -231,11 +305,15 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                initial=first, total=len(layers))
     for index in bar:
         layer_start = time.perf_counter()
+        if offload is not None:
+            offload.onload(index, layers[index])
+            check_layer_weights(adapter, layers[index], index, targets)
         teacher_layer = copy.deepcopy(layers[index]) if teacher_stream is not None else None
         context = LayerContext(adapter, model, layers[index], index, plan, config, targets, stream=stream,
                                teacher_stream=teacher_stream, teacher_layer=teacher_layer,
-                               precomputed=None if precomputed is None else precomputed[index])
+                               precomputed=None if precomputed is None else precomputed[index], parallel=parallel)
         strategy.fit_layer(context)
+        parallel.broadcast_module(layers[index])  # every process continues with rank 0's exact layer
         timings["fit"] += time.perf_counter() - layer_start
         t0 = time.perf_counter()
         if stream is not None:
@@ -256,14 +334,23 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
         mean_error = sum(e["proxy_error"] for e in context.entries.values()) / max(1, len(context.entries))
         log.info("layer %d: mean proxy error %.4f, %d passes, %.1fs", index, mean_error, context.passes,
                  reports[-1]["seconds"])
+        context = None  # it holds the stream entering this layer and the original projections: free them now
         bar.set_postfix(proxy=f"{mean_error:.3f}")
+        if offload is not None:
+            reports[-1]["mlp_pivots_lead"] = lead_mlp_pivots(model, [index])  # before the layer is saved
         if run_dir is not None:
-            _save_layer(run_dir, index, layers[index], stream, teacher_stream, reports)
+            save_layer_progress(run_dir, index, layers[index], stream, teacher_stream, reports)
+        if offload is not None:
+            offload.release(index, layers[index])
     bar.close()
-    pivoted = lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
+    if offload is None:
+        pivoted = lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
+    else:
+        pivoted = sum(r.get("mlp_pivots_lead", 0) for r in reports)
     finished = strategy.finish(model, targets)
     timings["total"] = time.perf_counter() - start
     report = summarize(config, reports, timings)
+    report.update(checkpoint_dir=None if run_dir is None else str(run_dir.path))
     report.update(calibration=diagnostics, rss_after_capture_mb=rss_after_capture, allocation=plan_report,
                   mlp_layers_with_leading_pivots=pivoted, ranks={f"{i}.{n}": r for (i, n), r in sorted(plan.items())}, **finished)
     if run_dir is not None and remove_checkpoint:
@@ -286,38 +373,3 @@ def summarize(config: CompressConfig, layer_reports: list[dict], timings: dict) 
         "timings_s": timings,
         "peak_rss_mb": peak_rss_mb(),
     }
-
-
-def _save_layer(run_dir: RunDirectory, index: int, layer: nn.Module, stream: LayerStream,
-                teacher_stream: LayerStream | None, reports: list) -> None:
-    run_dir.save_tensors(f"layer_{index}", layer.state_dict())
-    run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
-    if teacher_stream is not None:
-        run_dir.save_tensors("teacher_stream", {f"batch_{i}": h for i, h in enumerate(teacher_stream.hidden)})
-    run_dir.save_progress({"layers_done": index + 1, "reports": reports})
-
-
-def _restore(run_dir: RunDirectory, model, adapter, stream: LayerStream, teacher_stream: LayerStream | None,
-             config) -> tuple[int, list, LayerStream, LayerStream | None]:
-    """Finished layers rebuilt from the work directory, and the stream(s) at the next boundary."""
-    state = run_dir.load_progress()
-    if state is None:
-        return 0, [], stream, teacher_stream
-    layers = adapter.decoder_layers(model)
-    for index in range(state["layers_done"]):
-        layer = layers[index]
-        for name, info in state["reports"][index]["matrices"].items():
-            linear = adapter.get_linear(layer, name)
-            adapter.set_linear(layer, name, LatentLinear(info["in"], info["out"], info["rank"], junction=config.junction,
-                                                         bias=linear.bias is not None, dtype=linear.weight.dtype,
-                                                         device=linear.weight.device))
-        layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
-    streams = []
-    for name, current in (("stream", stream), ("teacher_stream", teacher_stream)):
-        if current is None:
-            streams.append(None)
-            continue
-        saved = run_dir.load_tensors(name)
-        hidden = [saved[f"batch_{i}"].to(h) for i, h in enumerate(current.hidden)]
-        streams.append(LayerStream(hidden, current.layer_kwargs, current.token_count))
-    return state["layers_done"], state["reports"], *streams

@@ -1,0 +1,40 @@
+"""LoLCATs at scale: 2 processes (torchrun, gloo) give the losses of 1 — block-wise stage 1 spreads the layers,
+stage 2 (LoRA under DDP via accelerate) averages the gradients of the processes' batches."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import retrofitter
+
+WORKER = Path(__file__).with_name("lolcats_worker.py")
+
+
+def test_two_processes_give_the_losses_of_one(tmp_path):
+    sys.path.insert(0, str(WORKER.parent))
+    from lolcats_worker import run
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run(tmp_path / "one", lora_batch=4)  # one process: LoRA batches of 4
+    source = str(Path(retrofitter.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(WORKER), str(tmp_path / "two"), "2"],  # two processes × batches of 2
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert one["processes"] == 1 and all(r["processes"] == 2 for r in ranks)
+    # stage 1: every layer trained by one process on all the cached batches -> the same MSE per epoch
+    for layer, history in one["transfer_mse"].items():  # int keys here, str keys through JSON
+        for rank in ranks:
+            assert rank["transfer_mse"][str(layer)] == pytest.approx(history, rel=1e-5)
+    # stage 2: the mean of the two processes' batch losses is the loss of the one-process batch of 4
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["lora_losses"], ranks[1]["lora_losses"])]
+    assert len(mean_losses) == len(one["lora_losses"]) == 2
+    assert mean_losses == pytest.approx(one["lora_losses"], rel=1e-5)
