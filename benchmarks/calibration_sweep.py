@@ -3,7 +3,8 @@
 For each size N (blocks of ``--seq-len`` tokens from wiki-calib, the first N of the same cut), the
 default compression (``CompressConfig(ratio=R)``: asvd-rootcov, global fisher allocation) runs through
 ``retrofitter.api.compress`` and the result is evaluated on wiki-eval and austen (seq 512). Also
-measured: the compression wall time and the process peak RSS at the end of each run.
+measured: the compression wall time, its ratio to one plain forward over the same calibration tokens
+(timed just before, outside the compression), and the process peak RSS at the end of each run.
 
     python benchmarks/calibration_sweep.py --sizes 16,32,64,128 --ratio 0.2
 
@@ -56,11 +57,17 @@ def main() -> None:
                "original": perplexities(original, blocks), "rows": []}
     print("original", payload["original"], flush=True)
     for size in sizes:
+        t0 = time.perf_counter()  # one plain forward over the same calibration tokens: the cost unit
+        with torch.no_grad():
+            for start in range(0, size, config.batch_size):
+                original(calibration[start:min(size, start + config.batch_size)])
+        forward_seconds = time.perf_counter() - t0
         model = copy.deepcopy(original)
         t0 = time.perf_counter()
         _, report = compress(model, config, calibration[:size], progress=False)
         seconds = time.perf_counter() - t0
         row = {"calib_blocks": size, "calib_tokens": size * args.seq_len, "compress_s": seconds,
+               "calibration_forward_s": forward_seconds, "compress_over_forward": seconds / forward_seconds,
                "peak_rss_mb": report.get("peak_rss_mb"), "targets_reduction": report["targets_reduction"],
                **{f"ppl_{k}": v for k, v in perplexities(model, blocks).items()}}
         payload["rows"].append(row)
@@ -78,9 +85,11 @@ def markdown(payload: dict) -> str:
              f"{s['config']['allocation_weighting']}, statistics {s['config']['statistics']}) at ratio {s['ratio']}; "
              f"eval {s['max_eval_tokens']} tokens per corpus at seq {s['seq_len']}; {s['threads']} threads; {s['date']}.",
              f"Original: wiki-eval {o['wiki-eval']:.2f}, austen {o['austen']:.2f}.", "",
-             "| calibration blocks × 512 | ppl wiki-eval | ppl austen | compress s |", "|---|---|---|---|"]
+             "| calibration blocks × 512 | ppl wiki-eval | ppl austen | compress s | × one calibration forward | "
+             "peak RSS MiB |", "|---|---|---|---|---|---|"]
     for r in payload["rows"]:
-        lines.append(f"| {r['calib_blocks']} | {r['ppl_wiki-eval']:.2f} | {r['ppl_austen']:.2f} | {r['compress_s']:.0f} |")
+        lines.append(f"| {r['calib_blocks']} | {r['ppl_wiki-eval']:.2f} | {r['ppl_austen']:.2f} | {r['compress_s']:.0f} | "
+                     f"{r['compress_over_forward']:.1f} | {r['peak_rss_mb']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

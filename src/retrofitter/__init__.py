@@ -1,16 +1,17 @@
 """retrofitter: convert a pretrained Transformer LM into a cheaper architecture without pre-training.
 
 Public API (lazy, so ``import retrofitter`` stays cheap):
-``compress``, ``linearize``, ``evaluate``, ``quantize``, ``load``, ``save``, ``CompressConfig``, ``LinearizeConfig``.
+``compress``, ``linearize``, ``heal``, ``evaluate``, ``quantize``, ``load``, ``save``, ``CompressConfig``,
+``LinearizeConfig``, ``HealConfig``.
 """
 
 from .version import __version__
 
-__all__ = ["__version__", "compress", "linearize", "evaluate", "quantize", "load", "save", "load_model",
-           "CompressConfig", "LinearizeConfig", "EvalConfig"]
+__all__ = ["__version__", "compress", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model",
+           "CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig"]
 
-_API_NAMES = {"compress", "linearize", "evaluate", "quantize", "load", "save", "load_model"}
-_CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "EvalConfig"}
+_API_NAMES = {"compress", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model"}
+_CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig"}
 
 
 def __getattr__(name):
