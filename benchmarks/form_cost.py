@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512, help="calibration and evaluation block length")
     parser.add_argument("--eval-corpus", default="wiki-eval")
     parser.add_argument("--eval-tokens", type=int, default=4096)
-    parser.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prefill and of the cost model")
+    parser.add_argument("--prefill-len", type=int, default=512,
+                        help="tokens of the timed prefill and of the cost model")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
@@ -61,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def projection_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """Distinct (d_in, d_out) of the decoder's linear layers (every nn.Linear but the LM head)."""
     head = model.get_output_embeddings()
-    return sorted({(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear) and m is not head})
+    return sorted({(m.in_features, m.out_features) for m in model.modules()
+                   if isinstance(m, nn.Linear) and m is not head})
 
 
 def timing_table(model: nn.Module, tokens: int):
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
 
 def print_summary(results: dict) -> None:
     original = results["variants"]["original"]
-    print(f"\n{'model':<10} {'targets params':>15} {'modelled ms':>12} {'prefill ms':>11} {'ratio':>6} {'ppl':>8}  forms")
+    print(f"\n{'model':<10} {'targets params':>15} {'modelled ms':>12} {'prefill ms':>11} {'ratio':>6} {'ppl':>8}"
+          f"  forms")
     for label, record in results["variants"].items():
         forms = record.get("factor_forms") or {}
         params = record.get("targets_params_after", results["variants"]["params"]["targets_params_before"])

@@ -71,7 +71,11 @@ def test_timed_modules_have_the_kernel_layout(kernel):
 def test_cache_is_written_once_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("RETROFITTER_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(form_cost, "time_kernel", lambda d_in, d_out, rank, kernel, *a: calls.append(kernel) or 1e-3 * (rank + 1))
+    def fake_time(d_in, d_out, rank, kernel, *args):
+        calls.append(kernel)
+        return 1e-3 * (rank + 1)
+
+    monkeypatch.setattr(form_cost, "time_kernel", fake_time)
     requests = form_cost.shape_requests([(8, 6)], [(6, 8)])
     model = form_cost.measure_timings(requests, tokens=16, progress=False)
     first = len(calls)
