@@ -104,6 +104,9 @@ def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dic
     if strategy_name(config) != "local":
         raise ValueError(f"method {config.method!r} needs the calibration stream; precomputed moments serve the "
                          f"local methods only")
+    if needs_form_choice(config):
+        raise ValueError("--factor-forms fastest and --budget latency run with the calibration stream "
+                         "(compress_model), not on precomputed statistics yet")
     adapter = adapter_for(model)
     targets = target_names(adapter, config)
     if plan is None:
