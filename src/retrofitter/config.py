@@ -26,6 +26,10 @@ STATISTICS = ("compressed", "teacher", "teacher_target")
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
 
+# How each factored matrix runs (pipelines/form_choice.py) and what the global allocation prices (issue 15).
+FACTOR_FORM_CHOICES = ("junction", "fastest")
+BUDGETS = ("params", "latency")
+
 # How global rank allocation compares the error of different matrices (pipelines/allocation.py).
 ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
 
@@ -122,6 +126,14 @@ class CompressConfig(_JsonRoundTrip):
     allocation_gradient_blocks: int = _option(8, "fisher weighting: calibration blocks of the backward passes")
     kv_ratio: float | None = _option(None, "global allocation: the latent k/v widths cache at most this fraction of "
                                      "the original's k/v numbers per token (second budget, solved with the first)")
+    factor_forms: str = _option("junction", "how each factored matrix runs: junction (the --junction/--no-junction "
+                                "form, for every matrix) or fastest (the fastest allowed form by a cost model timed "
+                                "on this machine, eval/form_cost.py)", choices=FACTOR_FORM_CHOICES)
+    budget: str = _option("params", "global allocation priced in stored parameters (params) or in modelled "
+                          "prefill time (latency: the time of the uniform plan at --ratio; matrices that run "
+                          "faster dense stay dense)", choices=BUDGETS)
+    latency_tokens: int = _option(512, "tokens of the prefill whose time the cost model predicts (--budget latency, "
+                                  "--factor-forms fastest)")
 
     def __post_init__(self):
         self._check_finite()
@@ -164,10 +176,24 @@ class CompressConfig(_JsonRoundTrip):
             if self.allocation != "global":
                 raise ValueError("kv_ratio (--kv-ratio) is a budget of the global allocation: use --allocation global "
                                  "(the default)")
+        self._check_forms_and_budget()
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def _check_forms_and_budget(self) -> None:
+        if self.factor_forms not in FACTOR_FORM_CHOICES:
+            raise ValueError(f"factor_forms must be one of {', '.join(FACTOR_FORM_CHOICES)}, got {self.factor_forms!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
+        if self.latency_tokens < 1:
+            raise ValueError(f"latency_tokens must be >= 1, got {self.latency_tokens}")
+        if (self.factor_forms != "junction" or self.budget != "params") and self.method == "latentllm":
+            raise ValueError("--factor-forms fastest and --budget latency serve the local methods (svd, asvd-*, "
+                             "svd-llm); latentllm's latent attention needs its factored projections")
+        if self.budget == "latency" and self.allocation != "global":
+            raise ValueError("--budget latency prices the global allocation's rank steps: use --allocation global")
 
     @property
     def preconditioner(self) -> str:

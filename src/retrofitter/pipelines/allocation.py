@@ -45,6 +45,7 @@ from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
 from .calibration import LayerStream, collect_input_moments
 from .distributed import SINGLE_PROCESS, DataParallel
+from .latency_allocation import latency_plan
 
 __all__ = ["RankItem", "WEIGHTINGS", "RANK_PLANS", "KV_PRICE_MULTIPLES", "allocate_ranks", "allocate_with_kv_budget",
            "kept_gain", "weighted_spectra", "damped_root", "uniform_plan", "global_plan",
@@ -258,12 +259,13 @@ def uniform_plan(model: nn.Module, adapter, config: CompressConfig, targets: lis
 @torch.no_grad()
 def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: LayerStream,
                 targets: list[str], calibration: torch.Tensor | None = None,
-                parallel: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:
+                parallel: DataParallel = SINGLE_PROCESS, forms=None) -> tuple[dict, dict]:
     """One teacher pass over all layers → weighted spectra → greedy plan. Returns (plan, report).
 
     ``calibration`` (token blocks) is needed by the ``fisher`` weighting (its backward passes). With several
     processes (``parallel``, each with its share of the ``stream``) the moments and the gradient sums are
-    all-reduced, so every process makes the plan of all the blocks.
+    all-reduced, so every process makes the plan of all the blocks. ``forms`` (a ``form_choice.FormChoice``):
+    the cost model of ``budget="latency"``.
     """
     layers = adapter.decoder_layers(model)
     importance = {}
@@ -294,16 +296,17 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
             items[(index, name)] = RankItem(linear.in_features, linear.out_features,
                                             weighted_spectra(linear.weight, moment, config.damping, roots[key]),
                                             importance.get((index, name), 1.0))
-    return plan_from_items(items, config, scale or 1.0, importance)
+    return plan_from_items(items, config, scale or 1.0, importance, forms)
 
 
-def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, importance: dict | None = None
-                    ) -> tuple[dict, dict]:
+def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, importance: dict | None = None,
+                    forms=None) -> tuple[dict, dict]:
     """Greedy plan for ``items`` ((layer, name) -> RankItem) with the parameter budget of uniform allocation
     at ``config.ratio`` (≤ (1 − ratio) of the dense parameters).
 
     Shared by :func:`global_plan` (spectra from one stream pass) and by callers that already hold the
     weighted spectra (e.g. the singular values of cached rootcov SVDs). Returns ``(plan, report)``.
+    ``budget="latency"``: the plan of pipelines/latency_allocation.py with the cost model of ``forms``.
     """
     # The budget is what uniform allocation stores at this ratio (each rank rounded down), so that a
     # global plan is compared with uniform at the same parameter count, never with more.
@@ -314,6 +317,12 @@ def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, imp
     if config.allocation_min_keep > 0:
         min_ranks = {key: rank_for_keep_fraction(item.d_in, item.d_out, config.allocation_min_keep, config.junction)
                      for key, item in items.items()}
+    if config.budget == "latency":
+        if forms is None:
+            raise ValueError("--budget latency needs the cost model of the factor forms (pipelines/form_choice.py)")
+        gains = {key: WEIGHTINGS[config.allocation_weighting](item, scale).to(torch.float64).tolist()
+                 for key, item in items.items()}
+        return latency_plan(items, config, forms, gains, min_ranks)
     kv_report = {}
     if config.kv_ratio is not None:
         plan, kv_report = allocate_with_kv_budget(items, budget, config, min_ranks, scale)
@@ -345,24 +354,25 @@ def _keep_by_layer(items: dict, plan: dict, junction: bool) -> list[float]:
     return result
 
 
-def _uniform_planner(model, adapter, config, targets, calibration, parallel):
+def _uniform_planner(model, adapter, config, targets, calibration, parallel, forms=None):
     return lambda _stream: (uniform_plan(model, adapter, config, targets), {"allocation": "uniform"})
 
 
-def _global_planner(model, adapter, config, targets, calibration, parallel):
+def _global_planner(model, adapter, config, targets, calibration, parallel, forms=None):
     def plan(stream: LayerStream | None):
         if stream is None:
             raise ValueError("global allocation needs the calibration stream (or a plan computed beforehand)")
-        result, report = global_plan(model, adapter, config, stream, targets, calibration, parallel)
+        result, report = global_plan(model, adapter, config, stream, targets, calibration, parallel, forms)
         return result, {"allocation": "global", **report}
     return plan
 
 
-# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration, parallel) -> Planner
+# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration, parallel, forms) -> Planner
 RANK_PLANS: dict[str, Callable] = {"uniform": _uniform_planner, "global": _global_planner}
 
 
 def make_planner(model: nn.Module, adapter, config: CompressConfig, targets: list[str],
-                 calibration: torch.Tensor | None, parallel: DataParallel = SINGLE_PROCESS):
-    """The planner of ``config.allocation``: called by the loop with the captured stream, returns (plan, report)."""
-    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration, parallel)
+                 calibration: torch.Tensor | None, parallel: DataParallel = SINGLE_PROCESS, forms=None):
+    """The planner of ``config.allocation``: called by the loop with the captured stream, returns (plan, report).
+    ``forms``: the cost model of ``budget="latency"`` (pipelines/form_choice.py)."""
+    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration, parallel, forms)

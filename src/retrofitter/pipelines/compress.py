@@ -23,6 +23,7 @@ from ..config import CompressConfig
 from .allocation import RankItem, make_planner, output_gradient_importance, plan_from_items
 from .calibration import capture_stream, collect_input_moments
 from .distributed import SINGLE_PROCESS, DataParallel
+from .form_choice import form_choice_for, forms_summary, needs_form_choice
 from .latentllm import LatentLLMStrategy
 from .local_svd import LocalSVDStrategy
 from .sequential import CalibrationError, run_sequential, target_names
@@ -55,10 +56,19 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
     adapter = adapter_for(model)
     targets = target_names(adapter, config)
     strategy = STRATEGIES[strategy_name(config)](config, None)
-    planner = make_planner(model, adapter, config, targets, calibration, parallel)
-    return run_sequential(model, config, strategy, planner, calibration=calibration, progress=progress,
-                          checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint, offload=offload,
-                          parallel=parallel)
+    forms = None
+    if needs_form_choice(config):  # --factor-forms fastest / --budget latency: a cost model timed here (cached)
+        if parallel.active or offload is not None:
+            raise ValueError("--factor-forms fastest and --budget latency run in one process with the model in "
+                             "memory (not with torchrun or out of core yet)")
+        forms = form_choice_for(model, adapter, config, targets, progress)
+    planner = make_planner(model, adapter, config, targets, calibration, parallel, forms)
+    model, report = run_sequential(model, config, strategy, planner, calibration=calibration, progress=progress,
+                                   checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint,
+                                   offload=offload, parallel=parallel, forms=forms)
+    if forms is not None:
+        report["factor_forms"] = forms_summary(report["layers"], forms)
+    return model, report
 
 
 @torch.no_grad()
@@ -94,6 +104,9 @@ def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dic
     if strategy_name(config) != "local":
         raise ValueError(f"method {config.method!r} needs the calibration stream; precomputed moments serve the "
                          f"local methods only")
+    if needs_form_choice(config):
+        raise ValueError("--factor-forms fastest and --budget latency run with the calibration stream "
+                         "(compress_model), not on precomputed statistics yet")
     adapter = adapter_for(model)
     targets = target_names(adapter, config)
     if plan is None:

@@ -38,8 +38,11 @@ def restore_layers(run_dir: RunDirectory, model, adapter, stream: LayerStream, t
     for index in range(state["layers_done"]):
         layer = layers[index]
         for name, info in state["reports"][index]["matrices"].items():
+            if info.get("form") == "dense":
+                continue  # kept dense (--budget latency): the original nn.Linear
             linear = adapter.get_linear(layer, name)
-            adapter.set_linear(layer, name, LatentLinear(info["in"], info["out"], info["rank"], junction=config.junction,
+            junction = info["form"] == "junction" if "form" in info else config.junction
+            adapter.set_linear(layer, name, LatentLinear(info["in"], info["out"], info["rank"], junction=junction,
                                                          bias=linear.bias is not None, dtype=linear.weight.dtype,
                                                          device=linear.weight.device))
         if load_weights:

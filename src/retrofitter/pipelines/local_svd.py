@@ -117,7 +117,8 @@ class LocalSVDStrategy:
         self.svd_cache = svd_cache
 
     def fit_layer(self, context: LayerContext) -> None:
-        adapter, targets = context.adapter, context.targets
+        adapter = context.adapter
+        targets = [n for n in context.targets if (context.index, n) in context.plan]  # unplanned: kept dense
         groups = [[n for n in group if n in targets] for group in adapter.linear_groups]
         groups = [(group, leader) for group, leader in zip(groups, (g[0] for g in adapter.linear_groups)) if group]
         preconditioners: dict = {}

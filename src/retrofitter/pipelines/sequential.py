@@ -254,7 +254,7 @@ def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[st
 def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStrategy, planner: Planner, *,
                    calibration: torch.Tensor | None = None, precomputed: dict | None = None, progress: bool = True,
                    checkpoint_dir=None, remove_checkpoint: bool = True, offload: LayerOffload | None = None,
-                   parallel: DataParallel = SINGLE_PROCESS) -> tuple[nn.Module, dict]:
+                   parallel: DataParallel = SINGLE_PROCESS, forms=None) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place (module docstring); returns ``(model, report)``.
 
     Give either ``calibration`` token blocks [n_blocks, seq_len] (the stream is captured and
@@ -264,7 +264,8 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
     ``offload``: ``model`` is on the meta device and each layer is read before its fit and freed after it
     (needs ``checkpoint_dir``: the finished layers' weights stay there, ``layer_<l>.safetensors``, for the
     caller to write out). ``parallel``: this process's share of data-parallel calibration (every process
-    passes the same ``calibration``; each captures its own batches).
+    passes the same ``calibration``; each captures its own batches). ``forms`` (pipelines/form_choice.py):
+    re-express each fitted layer's matrices in their chosen factor forms, right after the fit.
     """
     start = time.perf_counter()
     adapter = adapter_for(model)
@@ -313,6 +314,8 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                                teacher_stream=teacher_stream, teacher_layer=teacher_layer,
                                precomputed=None if precomputed is None else precomputed[index], parallel=parallel)
         strategy.fit_layer(context)
+        if forms is not None:
+            forms.apply(context)
         parallel.broadcast_module(layers[index])  # every process continues with rank 0's exact layer
         timings["fit"] += time.perf_counter() - layer_start
         t0 = time.perf_counter()
