@@ -44,7 +44,8 @@ def run(out: Path, lora_batch: int) -> dict:
     merged, fsdp = lora_finetune(model, data, fsdp_config, accelerator, progress=False)
     report = {"processes": accelerator.num_processes, "transfer_mse": transfer["train_mse_history"],
               "lora_losses": ddp["loss_history"], "fsdp_losses": fsdp["loss_history"],
-              "fsdp_trainable": fsdp["trainable_parameters"]}
+              "fsdp_trainable": fsdp["trainable_parameters"],
+              "fsdp_held": fsdp["parameters_per_process"], "ddp_held": ddp["parameters_per_process"]}
     _save(merged, out / f"merged_rank{rank}.safetensors")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     accelerator.wait_for_everyone()

@@ -47,6 +47,9 @@ def test_two_processes_give_the_losses_of_one(tmp_path):
     assert len(fsdp_means) == len(one["fsdp_losses"]) == 2
     assert fsdp_means == pytest.approx(one["fsdp_losses"], rel=1e-5)
     assert all(r["fsdp_trainable"] == one["fsdp_trainable"] for r in ranks)  # whole tensors counted, not shards
+    # each process holds about half the student (dim-0 shards, ⌈n/2⌉ rows on rank 0), DDP all of it
+    assert sum(r["fsdp_held"] for r in ranks) == one["fsdp_held"] == ranks[0]["ddp_held"]
+    assert all(r["fsdp_held"] < 0.6 * one["fsdp_held"] for r in ranks)
     reference = load_file(tmp_path / "one" / "merged_rank0.safetensors")
     for r in range(2):
         merged = load_file(tmp_path / "two" / f"merged_rank{r}.safetensors")

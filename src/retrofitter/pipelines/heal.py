@@ -9,7 +9,9 @@ Loop: AdamW on the LoRA factors only, linear warm-up then cosine decay over the 
 and/or ``minutes``, whichever ends first), gradient clipping, activation checkpointing of the decoder
 layers. Step s of process p reads blocks s·b·W + p·b … + b − 1 of a seeded permutation per epoch
 (W processes, b blocks each), so a resumed run sees the data an uninterrupted one would. It runs under
-``accelerate`` (``prepare`` wraps the objective in DDP with several processes; gloo on CPU).
+``accelerate`` (``prepare`` wraps the objective in DDP with several processes; gloo on CPU), or with
+``sharding="fsdp"`` under FSDP2 (``pipelines.sharding``: the student's tensors sharded over the processes,
+gathered whole for the merge).
 
 Resuming (``work_dir``, ``pipelines.resume.RunDirectory``): every ``checkpoint_every`` steps the
 LoRA factors, the AdamW moments and the progress (step, elapsed seconds, losses) are written; a
@@ -34,7 +36,8 @@ from ..modules.low_rank_delta import (add_low_rank_delta, load_low_rank_delta_st
                                       low_rank_deltas, merge_low_rank_deltas)
 from .distill import DistillationLoss, teacher_topk
 from .resume import RunDirectory, fingerprint
-from .sharding import device_mesh, full_tensor, gather_into, meta_skeleton, shard_for_training, shard_like
+from .sharding import (device_mesh, full_tensor, gather_into, local_numel, meta_skeleton, shard_for_training,
+                       shard_like)
 from .training import make_accelerator
 
 __all__ = ["ATTENTION_TARGETS", "HealTarget", "heal_targets", "learning_rate", "heal_model"]
@@ -201,6 +204,7 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         skeleton = meta_skeleton(student)
         shard_for_training(objective, student, device_mesh(accelerator.device, world))
     trainable = [p for delta in low_rank_deltas(student).values() for p in delta.parameters()]
+    held = sum(local_numel(p) for p in student.parameters())  # this process's share of the student
     optimizer = raw_optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
     if saved_optimizer is not None:
         _load_optimizer_tensors(optimizer, saved_optimizer)
@@ -278,6 +282,7 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         "steps": state["step"], "tokens": int(state["step"] * config.batch_size * config.seq_len * world),
         "seconds": state["elapsed"], "seconds_this_run": seconds_this_run, "resumed_from_step": resumed_from,
         "stopped_by": state.get("stopped_by", stopped_by), "processes": world, "trainable_parameters": n_trainable,
+        "sharding": "fsdp" if sharded else "ddp" if world > 1 else "none", "parameters_per_process": held,
         "adapted_tensors": len(targets), "targets": sorted({t.short for t in targets}),
         "loss": "kl" if config.nll_weight == 0 else "next_token" if config.nll_weight == 1 else "kl+next_token",
         "loss_first": sum(losses[:window]) / window if losses else None,

@@ -29,7 +29,8 @@ from torch import nn
 
 from ..adapters import adapter_for
 
-__all__ = ["device_mesh", "shard_for_training", "meta_skeleton", "gather_into", "full_tensor", "shard_like"]
+__all__ = ["device_mesh", "shard_for_training", "meta_skeleton", "gather_into", "full_tensor", "shard_like",
+           "local_numel"]
 
 
 def device_mesh(device: torch.device | str, world: int):
@@ -60,6 +61,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this process stores: the local shard of a DTensor, else the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local().numel() if isinstance(tensor, DTensor) else tensor.numel()
 
 
 def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
