@@ -127,7 +127,8 @@ def _load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str,
     state: dict[int, dict] = {}
     for key, value in tensors.items():
         index, field = key.split(".", 1)
-        state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else shard_like(value, params[int(index)])
+        value = value.reshape(()) if field == "step" else shard_like(value, params[int(index)])
+        state.setdefault(int(index), {})[field] = value
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
