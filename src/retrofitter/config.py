@@ -6,7 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES"]
+__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES",
+           "SHARDING_MODES"]
 
 # compress --method -> preconditioner of the local activation-aware SVD (design.md §3, paper Table 1)
 COMPRESS_METHODS: dict[str, str] = {
@@ -25,6 +26,7 @@ STATISTICS = ("compressed", "teacher", "teacher_target")
 
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
+SHARDING_MODES = ("ddp", "fsdp")  # training stages under several processes (pipelines/sharding.py)
 
 # How each factored matrix runs (pipelines/form_choice.py) and what the global allocation prices (issue 15).
 FACTOR_FORM_CHOICES = ("junction", "fastest")
@@ -247,9 +249,13 @@ class LinearizeConfig(_JsonRoundTrip):
                                            "one layer's activations instead of all, ~30 %% more time)")
     keep_softmax_layers: tuple[int, ...] = _option((), "comma-separated layer indices that keep softmax attention")
     seed: int = _option(0, "random seed")
+    lora_sharding: str = _option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
+                                 choices=SHARDING_MODES)
 
     def __post_init__(self):
         self._check_finite()
+        if self.lora_sharding not in SHARDING_MODES:
+            raise ValueError(f"lora_sharding must be one of {', '.join(SHARDING_MODES)}, got {self.lora_sharding!r}")
         # feature_map, window_kind and linear_weight name registries of modules/ and ops/: checked by
         # pipelines.linearize.check_linearize_config (config sits below them and imports neither)
         if self.transfer_mode not in ("joint", "blockwise"):
@@ -375,9 +381,14 @@ class HealConfig(_JsonRoundTrip):
     grad_clip: float = _option(1.0, "gradient-norm clip (0: none)")
     checkpoint_every: int = _option(25, "steps between resume checkpoints in the work dir")
     seed: int = _option(0, "random seed (LoRA init, data order)")
+    sharding: str = _option("ddp", "with several processes: ddp (whole student per process, averaged LoRA gradients) "
+                            "or fsdp (FSDP2 fully_shard per decoder layer: student weights sharded)",
+                            choices=SHARDING_MODES)
 
     def __post_init__(self):
         self._check_finite()
+        if self.sharding not in SHARDING_MODES:
+            raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {self.sharding!r}")
         for name in ("tokens", "minutes", "warmup_steps", "nll_weight", "teacher_topk", "grad_clip", "min_lr_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -9,7 +9,9 @@ Loop: AdamW on the LoRA factors only, linear warm-up then cosine decay over the 
 and/or ``minutes``, whichever ends first), gradient clipping, activation checkpointing of the decoder
 layers. Step s of process p reads blocks s·b·W + p·b … + b − 1 of a seeded permutation per epoch
 (W processes, b blocks each), so a resumed run sees the data an uninterrupted one would. It runs under
-``accelerate`` (``prepare`` wraps the objective in DDP with several processes; gloo on CPU).
+``accelerate`` (``prepare`` wraps the objective in DDP with several processes; gloo on CPU), or with
+``sharding="fsdp"`` under FSDP2 (``pipelines.sharding``: the student's tensors sharded over the processes,
+gathered whole for the merge).
 
 Resuming (``work_dir``, ``pipelines.resume.RunDirectory``): every ``checkpoint_every`` steps the
 LoRA factors, the AdamW moments and the progress (step, elapsed seconds, losses) are written; a
@@ -34,6 +36,8 @@ from ..modules.low_rank_delta import (add_low_rank_delta, load_low_rank_delta_st
                                       low_rank_deltas, merge_low_rank_deltas)
 from .distill import DistillationLoss, teacher_topk
 from .resume import RunDirectory, fingerprint
+from .sharding import (device_mesh, full_tensor, gather_into, local_numel, meta_skeleton, shard_for_training,
+                       shard_like)
 from .training import make_accelerator
 
 __all__ = ["ATTENTION_TARGETS", "HealTarget", "heal_targets", "learning_rate", "heal_model"]
@@ -118,10 +122,13 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tens
 
 
 def _load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`_optimizer_tensors`; moments of a sharded (FSDP2) parameter are sharded like it."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict] = {}
     for key, value in tensors.items():
         index, field = key.split(".", 1)
-        state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else value
+        value = value.reshape(()) if field == "step" else shard_like(value, params[int(index)])
+        state.setdefault(int(index), {})[field] = value
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
@@ -164,6 +171,7 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         raise ValueError("the KL loss needs the teacher (the original model); pass one or set nll_weight=1")
     accelerator = accelerator or make_accelerator(next(student.parameters()).device)
     world, rank = accelerator.num_processes, accelerator.process_index
+    sharded = config.sharding == "fsdp" and world > 1
     targets = heal_targets(student, config.targets)
     for p in student.parameters():
         p.requires_grad_(False)
@@ -174,16 +182,14 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
     torch.manual_seed(config.seed)  # LoRA A init: the same on every process
     for target in targets:
         add_low_rank_delta(target.module, target.tensor, config.lora_rank, config.lora_alpha)
-    trainable = [p for delta in low_rank_deltas(student).values() for p in delta.parameters()]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    run_dir, state = None, {"step": 0, "elapsed": 0.0, "losses": [], "finished": False}
-    if work_dir is not None:
-        settings = {k: v for k, v in config.to_dict().items() if k != "checkpoint_every"}
+    run_dir, state, saved_optimizer = None, {"step": 0, "elapsed": 0.0, "losses": [], "finished": False}, None
+    if work_dir is not None:  # checkpoints hold whole tensors: a run may resume under the other sharding
+        settings = {k: v for k, v in config.to_dict().items() if k not in ("checkpoint_every", "sharding")}
         run_dir = RunDirectory(work_dir, fingerprint(settings, blocks, [t.name for t in targets], world))
         saved = run_dir.load_progress()
         if saved is not None and saved.get("step", 0) > 0:
             load_low_rank_delta_state(student, run_dir.load_tensors("lora"))
-            _load_optimizer_tensors(optimizer, run_dir.load_tensors("optimizer"))
+            saved_optimizer = run_dir.load_tensors("optimizer")
         state.update(saved or {})
         if config.teacher_topk:
             _cache_teacher_topk(teacher, blocks, config, run_dir, state, accelerator, progress)
@@ -194,8 +200,19 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     objective = DistillationLoss(student, None if config.teacher_topk else teacher, chunk_tokens=config.chunk_tokens,
                                  nll_weight=config.nll_weight, temperature=config.temperature)
-    raw_optimizer = optimizer
-    objective, optimizer = accelerator.prepare(objective, optimizer)
+    skeleton = None
+    if sharded:  # FSDP2: the student's tensors sharded over the processes (the teacher stays whole)
+        skeleton = meta_skeleton(student)
+        shard_for_training(objective, student, device_mesh(accelerator.device, world))
+    trainable = [p for delta in low_rank_deltas(student).values() for p in delta.parameters()]
+    held = sum(local_numel(p) for p in student.parameters())  # this process's share of the student
+    optimizer = raw_optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    if saved_optimizer is not None:
+        _load_optimizer_tensors(optimizer, saved_optimizer)
+    if sharded:
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        objective, optimizer = accelerator.prepare(objective, optimizer)
     objective.train()
     max_steps = math.ceil(config.tokens / (config.batch_size * config.seq_len * world)) if config.tokens else None
     budget_s = config.minutes * 60 or None
@@ -203,10 +220,13 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
     device = accelerator.device
 
     def save_checkpoint():
-        if run_dir is not None and accelerator.is_main_process:
-            run_dir.save_tensors("lora", low_rank_delta_state(student))
-            run_dir.save_tensors("optimizer", _optimizer_tensors(raw_optimizer))
-            run_dir.save_progress(state)
+        if run_dir is not None:  # every process gathers sharded tensors, the main process writes
+            lora = {k: full_tensor(v) for k, v in low_rank_delta_state(student).items()}
+            moments = {k: full_tensor(v) for k, v in _optimizer_tensors(raw_optimizer).items()}
+            if accelerator.is_main_process:
+                run_dir.save_tensors("lora", lora)
+                run_dir.save_tensors("optimizer", moments)
+                run_dir.save_progress(state)
         accelerator.wait_for_everyone()
 
     start, previous = time.perf_counter(), state["elapsed"]
@@ -249,8 +269,8 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         state["finished"], state["stopped_by"] = True, stopped_by
         save_checkpoint()
     seconds_this_run = time.perf_counter() - start
-    student = accelerator.unwrap_model(objective).model
-    n_trainable = sum(p.numel() for p in trainable)
+    n_trainable = sum(p.numel() for p in trainable)  # DTensor numel: the whole tensor's
+    student = gather_into(skeleton, student) if sharded else accelerator.unwrap_model(objective).model
     merge_low_rank_deltas(student)
     if config.gradient_checkpointing:
         student.activation_checkpointing_disable()
@@ -263,6 +283,7 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         "steps": state["step"], "tokens": int(state["step"] * config.batch_size * config.seq_len * world),
         "seconds": state["elapsed"], "seconds_this_run": seconds_this_run, "resumed_from_step": resumed_from,
         "stopped_by": state.get("stopped_by", stopped_by), "processes": world, "trainable_parameters": n_trainable,
+        "sharding": "fsdp" if sharded else "ddp" if world > 1 else "none", "parameters_per_process": held,
         "adapted_tensors": len(targets), "targets": sorted({t.short for t in targets}),
         "loss": "kl" if config.nll_weight == 0 else "next_token" if config.nll_weight == 1 else "kl+next_token",
         "loss_first": sum(losses[:window]) / window if losses else None,

@@ -241,6 +241,7 @@ def _blockwise_transfer(model, blocks, config, accelerator, progress, work_dir) 
     transfer_fields = {k: v for k, v in config.to_dict().items() if not k.startswith("lora")}
     run_dir = RunDirectory(work_dir, fingerprint(transfer_fields, blocks, sorted(modules)))
     state = run_dir.load_progress() or {"captured": False, "done_layers": {}}
+    accelerator.wait_for_everyone()  # all processes read the state before the main process changes it
     if not state["captured"]:
         if accelerator.is_main_process:
             n_batches = _capture_layer_inputs(model, modules.values(), blocks, config.batch_size, run_dir, progress)

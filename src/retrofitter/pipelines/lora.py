@@ -85,7 +85,8 @@ def heal_config_for(config: LinearizeConfig, blocks: torch.Tensor) -> HealConfig
                       lr=config.lora_lr, warmup_steps=min(10, steps // 10), lora_rank=config.lora_rank,
                       lora_alpha=float(config.lora_alpha), nll_weight=1.0 if config.lora_loss == "next_token" else 0.0,
                       targets=LORA_TARGETS, gradient_checkpointing=config.gradient_checkpointing,
-                      grad_clip=config.grad_clip, seed=config.seed)
+                      grad_clip=config.grad_clip, seed=config.seed,
+                      sharding=config.lora_sharding)
 
 
 def lora_finetune(model: nn.Module, blocks: torch.Tensor, config: LinearizeConfig, accelerator=None,
