@@ -105,6 +105,19 @@ CASES = [
     ("calib-samples 0", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --calib-samples 0 --out OUT",
      "--calib-samples must be >= 1"),
     ("missing local model", None, "original", "eval ./no/such/model --ppl CORPUS", "no such directory"),
+    ("kv-ratio with a local method", None, "original",
+     "compress MODEL --ratio 0.3 --kv-ratio 0.5 --calib CORPUS --out OUT", "latent k/v cache of --method latentllm"),
+    ("latency budget with uniform ranks", None, "original",
+     "compress MODEL --ratio 0.3 --budget latency --allocation uniform --calib CORPUS --out OUT",
+     "use --allocation global"),
+    ("out-of-core with global allocation", None, "original",
+     "compress MODEL --ratio 0.3 --out-of-core --calib CORPUS --calib-samples 4 --seq-len 32 --out OUT",
+     "--allocation uniform"),
+    ("out-of-core with healing", None, "original",
+     "compress MODEL --ratio 0.3 --out-of-core --allocation uniform --heal-tokens 64 --calib CORPUS --out OUT",
+     "--heal-tokens needs the model in memory"),
+    ("heal of a model that was never converted", None, "original", "heal MODEL --out OUT",
+     "is not a saved retrofitter model"),
 ]
 
 
