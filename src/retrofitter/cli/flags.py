@@ -53,8 +53,19 @@ def add_config_flags(parser, config_class, required=(), skip=(), choices: dict |
             kind = int_list if "int" in str(f.type) else name_list
             parser.add_argument(flag, type=kind, default=None, help=help_text)
         else:
-            kind = type(f.default) if f.default is not None else str
-            parser.add_argument(flag, type=kind, default=None, choices=options, help=f"{help_text} (default {f.default})")
+            parser.add_argument(flag, type=_scalar_type(f), default=None, choices=options,
+                                help=f"{help_text} (default {f.default})")
+
+
+def _scalar_type(f: dataclasses.Field) -> type:
+    """The flag's type: the default's, or for a ``None`` default the annotation's (``float | None`` -> float)."""
+    if f.default is not None:
+        return type(f.default)
+    annotation = str(f.type)
+    for name, kind in (("float", float), ("int", int)):
+        if name in annotation:
+            return kind
+    return str
 
 
 def config_from_args(config_class, args, base: dict | None = None):
