@@ -15,35 +15,21 @@ swap (same shapes and cost as a trained one).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from speed_models import ROOT, build_models, set_threads
+from speed_models import ROOT, add_decode_bench_flags, build_models, int_list, report_decode_bench, set_threads
 
-from retrofitter.api import write_json
 from retrofitter.eval.bench_decode import bench_decode
-from retrofitter.eval.bench_table import format_decode_table
 
 DEFAULT_MODELS = ["smollm2-135m", "hybrid", "latentllm:0.3"]
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=DEFAULT_MODELS, help=f"model specs (default {DEFAULT_MODELS})")
-    parser.add_argument("--base", default="smollm2-135m")
-    parser.add_argument("--calib-samples", type=int, default=8)
-    parser.add_argument("--batch-sizes", type=_ints, default=(1, 4))
-    parser.add_argument("--contexts", type=_ints, default=(512, 2048, 4096, 8192))
+    add_decode_bench_flags(parser, DEFAULT_MODELS, ROOT / "benchmarks" / "results" / "long_context.json")
+    parser.add_argument("--batch-sizes", type=int_list, default=(1, 4))
+    parser.add_argument("--contexts", type=int_list, default=(512, 2048, 4096, 8192))
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--fill-prefill", type=int, default=128, help="real prefill tokens before the cache is grown")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--no-floor", action="store_true")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "long_context.json")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     models = build_models(args.models, args.base, args.calib_samples)
@@ -54,10 +40,7 @@ def main(argv=None) -> int:
                          batch_sizes=args.batch_sizes, contexts=args.contexts, prefill_len=0,
                          decode_tokens=args.decode_tokens, fill_prefill=args.fill_prefill, repeats=args.repeats,
                          warmup=args.warmup, floor=not args.no_floor, progress=True)
-    bench["settings"]["model_specs"] = args.models
-    print(format_decode_table(bench))
-    write_json(bench, args.json)
-    print(f"wrote {args.json}")
+    report_decode_bench(bench, args.models, args.json)
     return 0
 
 

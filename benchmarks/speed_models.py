@@ -54,3 +54,31 @@ def build_models(specs: list[str], base: str, calib_samples: int, dtype: str = "
 def set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"1,8"`` -> (1, 8)."""
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def add_decode_bench_flags(parser, default_models: list[str], json_default: Path) -> None:
+    """The flags both decode benchmarks share: model specs, their base and calibration, repetitions, output."""
+    parser.add_argument("models", nargs="*", default=default_models, help=f"model specs (default {default_models})")
+    parser.add_argument("--base", default="smollm2-135m", help="model that METHOD:RATIO and hybrid specs start from")
+    parser.add_argument("--calib-samples", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=json_default)
+
+
+def report_decode_bench(bench: dict, specs: list[str], out: Path) -> None:
+    """Print the decode table and write its JSON (with the model specs in the settings)."""
+    from retrofitter.api import write_json
+    from retrofitter.eval.bench_table import format_decode_table
+
+    bench["settings"]["model_specs"] = specs
+    print(format_decode_table(bench))
+    write_json(bench, out)
+    print(f"wrote {out}")
