@@ -13,11 +13,8 @@ from tiny_models import build_tiny
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def _hybrid():

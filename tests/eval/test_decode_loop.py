@@ -29,11 +29,8 @@ def low_rank_dense(model, keep=0.5):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def _model(kind: str):
