@@ -31,6 +31,21 @@ def test_eval_writes_contract_json(workspace, capsys):
     assert "ppl" in capsys.readouterr().out
 
 
+def test_eval_passkey_records_accuracy_per_context_and_refuses_too_long_prompts(workspace, capsys):
+    tmp, model_dir, corpus = workspace
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 600}))
+    base = ["eval", str(model_dir), "--ppl", str(corpus), "--seq-len", "32", "--quiet"]
+    assert main(base + ["--passkey", "350,500", "--passkey-trials", "1", "--json", str(tmp / "p.json")]) == 0
+    passkey = json.loads((tmp / "p.json").read_text())["passkey"]
+    assert set(passkey["by_context"]) == {"350", "500"} and len(passkey["trials"]) == 2 * 3
+    lengths = {t["context"]: t["prompt_tokens"] for t in passkey["trials"]}
+    assert lengths[350] < lengths[500] <= 500  # the filler repeats up to the length
+    assert "passkey retrieval:" in capsys.readouterr().out
+    assert main(base + ["--passkey", "601"]) == 2
+    assert "exceeds the model's max_position_embeddings (600)" in capsys.readouterr().err
+
+
 def test_eval_quantize_reports_int8_bytes(workspace, capsys):
     from retrofitter.api import load_model
     from retrofitter.eval.accounting import stored_bytes

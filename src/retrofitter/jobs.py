@@ -260,12 +260,16 @@ def _check_outputs(out: Path, overwrite: bool, eval_config: EvalConfig) -> None:
 
 
 def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit: float | None = None,
-             dtype="float32", device="cpu", quantize: str | None = None, progress: bool = True) -> dict:
-    """Perplexity and accounting of any causal LM (and lm-eval ``tasks`` when given); the results record.
+             passkey=(), passkey_trials: int = 2, dtype="float32", device="cpu", quantize: str | None = None,
+             progress: bool = True) -> dict:
+    """Perplexity and accounting of any causal LM (and lm-eval ``tasks``, passkey retrieval at the ``passkey``
+    prompt lengths when given); the results record.
 
     ``quantize`` (a scheme of ``api.QUANTIZE_SCHEMES``) quantizes the model after loading."""
     for corpus in eval_config.corpora:
         check_corpus(corpus, "--ppl")
+    if passkey_trials < 1:
+        raise ValueError(f"--passkey-trials must be >= 1, got {passkey_trials}")
     if tasks:
         from .eval.lm_eval_harness import lm_eval_available
 
@@ -276,7 +280,16 @@ def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit:
     if is_retrofitted_dir(model_name):
         info = json.loads((Path(model_name) / RETROFITTER_JSON).read_text())
         method, ratio = info.get("method", "retrofitted"), info.get("ratio")
+    if passkey:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit and max(passkey) > limit:
+            raise ValueError(f"--passkey {max(passkey)} exceeds the model's max_position_embeddings ({limit})")
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=method, ratio=ratio)
+    if passkey:
+        from .eval.passkey import passkey_accuracy
+
+        results["passkey"] = passkey_accuracy(model, tokenizer, context_lengths=tuple(passkey), trials=passkey_trials,
+                                              progress=progress)
     if tasks:
         from .eval.lm_eval_harness import run_lm_eval
 

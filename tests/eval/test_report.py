@@ -107,6 +107,34 @@ def test_report_without_bench_writes_only_quality_plots(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out" / "plots").iterdir()) == ["ppl_vs_params.png", "ppl_vs_ratio.png"]
 
 
+def test_kv_frontier_plot_needs_two_kv_sizes_and_draws_one_line_per_method_and_ratio(tmp_path):
+    from retrofitter.eval.plots import plot_ppl_vs_kv_bytes
+
+    original = _result("original", None, 25.0, 30.0, 100)
+    same_kv = [original, _result("latentllm", 0.3, 50.0, 60.0, 80)]
+    assert plot_ppl_vs_kv_bytes(same_kv, [], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+    frontier = [original] + [{**_result("latentllm", 0.3, ppl, ppl, 80), "kv_bytes_per_token": kv}
+                             for kv, ppl in ((41064, 50.0), (23160, 63.0), (16000, 90.0))]
+    png = plot_ppl_vs_kv_bytes(frontier, [], tmp_path / "kv.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    for name, result in (("kv_ratio_a", frontier[1]), ("kv_ratio_b", frontier[2]), ("original", original)):
+        write_json(result, tmp_path / "runs" / f"{name}.json")
+    text = write_report([tmp_path / "runs"], tmp_path / "out").read_text()
+    assert "](plots/ppl_vs_kv_bytes.png)" in text
+
+
+def test_passkey_table_lists_accuracy_per_context():
+    from retrofitter.eval.report import format_passkey_table
+
+    measured = {**_result("hybrid", None, 25.0, 30.0, 1),
+                "passkey": {"accuracy": 0.5, "by_context": {"2048": 1.0, "4096": 0.0},
+                            "settings": {"depths": [0.1, 0.5, 0.9], "trials": 2}}}
+    table = format_passkey_table([_result("original", None, 25.0, 30.0, 1), measured])
+    assert table.splitlines()[0] == "| model | method | ratio | 2048 tokens | 4096 tokens | trials per length |"
+    assert table.splitlines()[2].endswith("| 100% | 0% | 6 |") and len(table.splitlines()) == 3
+    assert format_passkey_table([_result("original", None, 25.0, 30.0, 1)]) == ""
+
+
 def test_report_cli(run_dir, tmp_path, capsys):
     assert main(["report", str(run_dir), "--out", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "report.md").is_file()

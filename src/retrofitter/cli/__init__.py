@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tasks", type=name_list, default=(),
                           help="comma-separated lm-eval tasks or task YAML paths (needs the lm-eval extra)")
     evaluate.add_argument("--tasks-limit", type=float, default=None, help="lm-eval examples per task (or a fraction)")
+    evaluate.add_argument("--passkey", type=positive_int_list, default=(), metavar="CONTEXTS",
+                          help="passkey retrieval at these prompt lengths, e.g. 2048,4096 (3 depths x --passkey-trials)")
+    evaluate.add_argument("--passkey-trials", type=int, default=2, help="random pass keys per context and depth")
     _add_quantize_flag(evaluate, QUANTIZE_SCHEMES)
     _add_common(evaluate)
 
@@ -174,6 +177,9 @@ def _show(results: dict, args) -> int:
 
     for task, metrics in results.get("lm_eval", {}).get("tasks", {}).items():
         print(f"lm-eval {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None))
+    if "passkey" in results:
+        by_context = ", ".join(f"{n}: {a:.0%}" for n, a in results["passkey"]["by_context"].items())
+        print(f"passkey retrieval: {results['passkey']['accuracy']:.0%} ({by_context})")
     rows = [results[k] for k in ("original", "before") if k in results]
     print(format_results_table(rows + [results] + ([results["control"]] if "control" in results else [])))
     if args.json:
@@ -193,7 +199,8 @@ def cmd_eval(args) -> int:
     from ..jobs import eval_job
 
     return _show(eval_job(args.model, _eval_config(args, args.seq_len), tasks=args.tasks, tasks_limit=args.tasks_limit,
-                          dtype=args.dtype, device=args.device, quantize=args.quantize, progress=not args.quiet), args)
+                          passkey=args.passkey, passkey_trials=args.passkey_trials, dtype=args.dtype,
+                          device=args.device, quantize=args.quantize, progress=not args.quiet), args)
 
 
 def cmd_compress(args) -> int:

@@ -59,18 +59,20 @@ def passkey_trial(model: nn.Module, tokenizer, context_tokens: int, depth: float
 
 
 def passkey_accuracy(model: nn.Module, tokenizer, context_lengths=(256, 512, 1024), depths=(0.1, 0.5, 0.9),
-                     trials: int = 2, digits: int = 5, seed: int = 0, max_new_tokens: int = 8) -> dict:
+                     trials: int = 2, digits: int = 5, seed: int = 0, max_new_tokens: int = 8,
+                     progress: bool = False) -> dict:
     """Accuracy over ``context_lengths`` × ``depths`` × ``trials`` random ``digits``-digit pass keys."""
+    from tqdm.auto import tqdm
+
     if trials < 1 or digits < 1:
         raise ValueError(f"trials and digits must be >= 1; got {trials}, {digits}")
     rng = random.Random(seed)
     records = []
-    for length in context_lengths:
-        for depth in depths:
-            for _ in range(trials):
-                passkey = str(rng.randrange(10 ** (digits - 1), 10**digits))
-                result = passkey_trial(model, tokenizer, length, depth, passkey, max_new_tokens)
-                records.append({"context": length, "depth": depth, "passkey": passkey, **result})
+    cases = [(length, depth) for length in context_lengths for depth in depths for _ in range(trials)]
+    for length, depth in tqdm(cases, desc="passkey", unit="trial", disable=not progress):
+        passkey = str(rng.randrange(10 ** (digits - 1), 10**digits))
+        result = passkey_trial(model, tokenizer, length, depth, passkey, max_new_tokens)
+        records.append({"context": length, "depth": depth, "passkey": passkey, **result})
 
     def mean(rows) -> float:
         return sum(r["correct"] for r in rows) / len(rows)

@@ -6,6 +6,8 @@ Every plot function takes the loaded dicts and an output path, returns the path 
 * ``ppl_vs_ratio``  — perplexity (log y) against compression ratio, one line per method, one
   panel per corpus; the original model is a star at ratio 0 and a dashed reference line;
 * ``ppl_vs_params`` — perplexity (log y) against total parameters (M), one marker per method;
+* ``ppl_vs_kv_bytes`` — perplexity (log y) against KV-cache bytes per token, one line per method and
+  ratio (the frontier of ``--kv-ratio``); drawn only when the runs hold at least two KV sizes;
 * ``decode_speed``  — decode tokens/s (median, min–max bars) against context, one line per model;
 * ``cache_bytes``   — measured cache MiB against context per model (solid), with the accounting
   prediction ``context × kv_bytes_per_token`` dashed.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["PLOTS", "plot_ppl_vs_ratio", "plot_ppl_vs_params", "plot_decode_speed", "plot_cache_bytes"]
+__all__ = ["PLOTS", "plot_ppl_vs_ratio", "plot_ppl_vs_params", "plot_ppl_vs_kv_bytes", "plot_decode_speed", "plot_cache_bytes"]
 
 _MAX_PANELS = 4
 _MARKERS = "osD^vP*Xh<>"
@@ -121,6 +123,45 @@ def plot_ppl_vs_params(results: list[dict], benches: list[dict], path) -> Path |
     return _save(fig, plt, path)
 
 
+def _kv_series(result: dict) -> str:
+    """The line a result belongs to on the KV frontier: the method at its ratio (the KV budget varies along it)."""
+    if _is_original(result):
+        return "original"
+    return f"{result.get('method', '?')} {_ratio_label(result.get('ratio'))}"
+
+
+def _ratio_label(ratio) -> str:
+    return f"{ratio:g}" if isinstance(ratio, (int, float)) else str(ratio)
+
+
+def plot_ppl_vs_kv_bytes(results: list[dict], benches: list[dict], path) -> Path | None:
+    """Perplexity against KV-cache bytes per token (``kv_bytes_per_token``); one line per method and ratio."""
+    corpora = _corpora(results)
+    kept = [r for r in results if r.get("kv_bytes_per_token")]
+    if not corpora or len({r["kv_bytes_per_token"] for r in kept}) < 2:
+        return None  # one KV size: no frontier to draw
+    plt = _pyplot()
+    fig, axes = _panels(plt, len(corpora), "Perplexity vs KV-cache bytes per token")
+    series = sorted({_kv_series(r) for r in kept}, key=lambda name: (name != "original", name))
+    for ax, corpus in zip(axes, corpora):
+        for index, name in enumerate(series):
+            points = sorted((r["kv_bytes_per_token"] / 1024, r["ppl"][corpus]) for r in kept
+                            if _kv_series(r) == name and r.get("ppl", {}).get(corpus) is not None)
+            if not points:
+                continue
+            if name == "original":
+                ax.plot(*zip(*points), marker="*", markersize=12, color="black", linestyle="", label=name)
+            else:
+                ax.plot(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], label=name)
+        _log_y(ax)
+        ax.set_xlabel("KV cache (KiB per token)")
+        ax.set_ylabel(f"perplexity on {corpus} (log scale)")
+        ax.set_title(corpus)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
 def _bench_series(benches: list[dict]):
     """``(label, entry)`` per benched model; the file stem is added when several bench files are shown."""
     for bench in benches:
@@ -187,6 +228,7 @@ def plot_cache_bytes(results: list[dict], benches: list[dict], path) -> Path | N
 PLOTS = {
     "ppl_vs_ratio": (plot_ppl_vs_ratio, "Perplexity vs compression ratio"),
     "ppl_vs_params": (plot_ppl_vs_params, "Perplexity vs total parameters"),
+    "ppl_vs_kv_bytes": (plot_ppl_vs_kv_bytes, "Perplexity vs KV-cache bytes per token"),
     "decode_speed": (plot_decode_speed, "Decode speed vs context"),
     "cache_bytes": (plot_cache_bytes, "Cache size vs context"),
 }

@@ -16,7 +16,7 @@ from .bench_table import format_bench_table
 from .plots import PLOTS
 from .table import format_results_table
 
-__all__ = ["RunData", "collect_runs", "write_report", "format_cost_table", "format_heal_table"]
+__all__ = ["RunData", "collect_runs", "write_report", "format_cost_table", "format_heal_table", "format_passkey_table"]
 
 
 @dataclass
@@ -115,6 +115,23 @@ def format_heal_table(results: list[dict]) -> str:
     return "\n".join([header, *rows])
 
 
+def format_passkey_table(results: list[dict]) -> str:
+    """Markdown: passkey retrieval accuracy per prompt length, for every results record that has one."""
+    measured = [r for r in results if r.get("passkey")]
+    contexts = sorted({int(n) for r in measured for n in r["passkey"]["by_context"]})
+    if not measured:
+        return ""
+    header = "| model | method | ratio | " + " | ".join(f"{n} tokens" for n in contexts) + " | trials per length |"
+    rows = [header, "|" + "---|" * (len(contexts) + 4)]
+    for r in measured:
+        by_context = r["passkey"]["by_context"]
+        settings = r["passkey"]["settings"]
+        cells = [f"{by_context[str(n)]:.0%}" if str(n) in by_context else "-" for n in contexts]
+        rows.append(f"| {r.get('model', '')} | {r.get('method', '')} | {_ratio_text(r)} | " + " | ".join(cells)
+                    + f" | {len(settings['depths']) * settings['trials']} |")
+    return "\n".join(rows)
+
+
 def _lm_eval_table(results: list[dict]) -> str:
     rows = []
     for r in results:
@@ -192,6 +209,11 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
                       "Perplexity (and its ratio to the original's) before and after distillation from the original; "
                       "control: the original given the same distillation (about 1.0x by construction).", "",
                       healing, ""]
+        passkey = format_passkey_table(results)
+        if passkey:
+            lines += ["## Passkey retrieval", "",
+                      "Share of pass keys recalled (greedy) from a prompt of about that many tokens, the key hidden "
+                      "at depths 0.1 / 0.5 / 0.9 of the filler.", "", passkey, ""]
         downstream = _lm_eval_table(results)
         if downstream:
             lines += ["## Downstream tasks (lm-eval)", "", downstream, ""]
