@@ -2,6 +2,7 @@
 directory of the in-memory path."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,28 @@ def test_only_one_layer_is_resident(tmp_path, monkeypatch):
                                     CALIBRATION, work_dir=tmp_path / "work", progress=False)
     assert _OneLayerAtATime.resident == [1, 1]
     assert all(p.is_meta for p in model.parameters())  # nothing left in memory at the end
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of ``path`` (Linux /proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(str(path)):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+def test_read_tensors_are_copies_so_no_mapping_of_the_shard_outlives_the_read(tmp_path):
+    from retrofitter.pipelines.offload import SafetensorsCheckpoint
+
+    build_tiny("llama").save_pretrained(tmp_path / "source")  # float32 on disk: a cast would be a no-op
+    shard = tmp_path / "source" / "model.safetensors"
+    tensors = SafetensorsCheckpoint(tmp_path / "source").read(["model.embed_tokens.weight"], torch.float32)
+    pointer = tensors["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    assert not any(start <= pointer < end for start, end in _mapped_ranges(shard.resolve()))
+    assert _mapped_ranges(shard.resolve()) == []  # the file is unmapped once read
 
 
 def test_interrupted_run_resumes_to_the_same_model(tmp_path, monkeypatch):

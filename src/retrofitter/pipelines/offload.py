@@ -71,8 +71,11 @@ class SafetensorsCheckpoint:
         for file, names in by_file.items():
             with safe_open(str(file), framework="pt") as handle:
                 for name in names:
-                    tensor = handle.get_tensor(name)
-                    tensors[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+                    tensor = handle.get_tensor(name)  # a view of the memory-mapped file
+                    # Always a copy: a view would keep the whole file mapped, and every page read so far
+                    # resident, for as long as any tensor of it lives (RSS grew by a layer per layer).
+                    tensors[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None,
+                                              copy=True)
         return tensors
 
 
