@@ -123,14 +123,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="calibration batch (per-batch activations)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/scaling_memory"))
+    parser.add_argument("--modes", default="in-memory,out-of-core",
+                        help="modes to run; a mode not run keeps its record and output directory from an earlier "
+                             "run in --out (marked reused)")
     parser.add_argument("--worker", choices=("in-memory", "out-of-core"), dest="mode")
     args = parser.parse_args()
     if args.mode:
         worker(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for mode in ("in-memory", "out-of-core"):
+    earlier = args.out / "scaling_memory.json"
+    runs = json.loads(earlier.read_text())["runs"] if earlier.exists() else {}
+    for mode in runs:
+        runs[mode]["reused"] = True
+    for mode in args.modes.split(","):
         command = [sys.executable, __file__, "--worker", mode, "--model", args.model, "--method", args.method,
                    "--ratio", str(args.ratio), "--calib", args.calib, "--calib-samples", str(args.calib_samples),
                    "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
@@ -139,6 +145,9 @@ def main() -> None:
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps(runs[mode]))
+    missing = {"in-memory", "out-of-core"} - set(runs)
+    if missing:
+        raise SystemExit(f"no record of {sorted(missing)} in {earlier}: run those modes too (--modes)")
     fp32 = fp32_size_mb(args.model)
     result = {"model": args.model, "method": args.method, "ratio": args.ratio, "calib_samples": args.calib_samples,
               "seq_len": args.seq_len, "batch_size": args.batch_size, "threads": args.threads, "fp32_model_mb": fp32,

@@ -1,7 +1,9 @@
 """``retrofitter demo``: the main job on the default model, end to end, in one command.
 
 fetch → evaluate the original → asvd-rootcov at every ratio (one shared calibration-statistics pass
-of the original model, ``statistics="teacher"``, so extra ratios cost only a factorization) →
+of the original model, ``statistics="teacher"``, so extra ratios cost only a factorization), with
+uniform ranks and with global fisher allocation (``rootcov-global-fisher``: the default of
+``retrofitter compress``) →
 latentllm at ``latentllm_ratios`` (its own sequential pipeline) → evaluate each → save the most
 compressed rootcov model and reload it → bench the original against it → write ``OUT/report.md``
 with plots, and print the result table.
@@ -86,7 +88,7 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
         importance = None
         for ratio in ratios if global_allocation else ():
             # Same statistics and SVDs, ranks from one global budget priced by loss gradients (allocation.py).
-            _say(f"asvd-rootcov with global fisher allocation at ratio {ratio}")
+            _say(f"asvd-rootcov with global fisher allocation at ratio {ratio} (the default of `retrofitter compress`)")
             config = CompressConfig(ratio=ratio, statistics="teacher", allocation="global", allocation_weighting="fisher")
             t0 = time.perf_counter()
             plan, plan_report = global_plan_from_statistics(original, config, moments, svd_cache, calibration, importance)
