@@ -21,26 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from cli_runner import ROOT, run_retrofitter
 
 
 def retrofitter(*args: str, log: Path) -> float:
-    """Run ``python -m retrofitter ARGS``; its output goes to ``log``; returns the wall seconds."""
-    start = time.perf_counter()
-    with log.open("a") as handle:
-        handle.write(f"\n$ retrofitter {' '.join(args)}\n")
-        handle.flush()
-        done = subprocess.run([sys.executable, "-m", "retrofitter", *args], stdout=handle, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    if done.returncode != 0:
-        raise SystemExit(f"failed ({done.returncode}): retrofitter {' '.join(args)}; see {log}")
-    return time.perf_counter() - start
+    return run_retrofitter(list(args), log=log)
 
 
 def main() -> None:

@@ -14,23 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from scaling_memory import max_abs_diff  # noqa: E402 — benchmarks/ is the script's directory
-
-
-def run(command: list[str], threads: int) -> float:
-    """Wall seconds of ``command`` with ``threads`` OpenMP threads per process."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+from cli_runner import run_retrofitter
+from scaling_memory import max_abs_diff  # benchmarks/ is the script's directory
 
 
 def main() -> None:
@@ -52,10 +40,10 @@ def main() -> None:
              str(args.ratio), "--calib", args.calib, "--calib-samples", str(args.calib_samples), "--seq-len",
              str(args.seq_len), "--batch-size", str(args.batch_size), "--no-eval", "--quiet", "--overwrite"] + (["--out-of-core"] if args.out_of_core else [])
     n = args.processes
-    single = [sys.executable, "-m", "retrofitter", *flags, "--out", str(args.out / "single")]
-    parallel = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m",
-                "retrofitter", *flags, "--out", str(args.out / "parallel")]
-    seconds = {f"1x{n}_threads": run(single, n), f"{n}x1_processes": run(parallel, 1)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    seconds = {f"1x{n}_threads": run_retrofitter([*flags, "--out", str(args.out / "single")], threads=n),
+               f"{n}x1_processes": run_retrofitter([*flags, "--out", str(args.out / "parallel")], threads=1,
+                                                   launcher=torchrun)}
     result = {"model": args.model, "method": args.method, "allocation": args.allocation, "ratio": args.ratio,
               "calib_samples": args.calib_samples, "seq_len": args.seq_len, "out_of_core": args.out_of_core,
               "wall_seconds": seconds, "speedup": seconds[f"1x{n}_threads"] / seconds[f"{n}x1_processes"],

@@ -56,6 +56,16 @@ def _log_y(ax) -> None:
     ax.tick_params(axis="y", which="minor", labelsize=7)
 
 
+def _perplexity_panel(ax, corpus: str, xlabel: str) -> None:
+    """The finishing touches of one corpus's perplexity panel: log y, labels, grid, legend."""
+    _log_y(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"perplexity on {corpus} (log scale)")
+    ax.set_title(corpus)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def _panels(plt, count: int, title: str):
     fig, axes = plt.subplots(1, count, figsize=(5.2 * count + 0.6, 4.2), squeeze=False)
     fig.suptitle(title, fontsize=12)
@@ -90,12 +100,7 @@ def plot_ppl_vs_ratio(results: list[dict], benches: list[dict], path) -> Path | 
                             if r.get("method") == method and r.get("ppl", {}).get(corpus) is not None)
             if points:
                 ax.plot(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], label=method)
-        _log_y(ax)
-        ax.set_xlabel("compression ratio (fraction of linear params removed)")
-        ax.set_ylabel(f"perplexity on {corpus} (log scale)")
-        ax.set_title(corpus)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _perplexity_panel(ax, corpus, "compression ratio (fraction of linear params removed)")
     return _save(fig, plt, path)
 
 
@@ -114,12 +119,7 @@ def plot_ppl_vs_params(results: list[dict], benches: list[dict], path) -> Path |
                             and r.get("ppl", {}).get(corpus) is not None and "params" in r)
             if points:
                 ax.plot(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], linestyle=":", label=method)
-        _log_y(ax)
-        ax.set_xlabel("total parameters (M)")
-        ax.set_ylabel(f"perplexity on {corpus} (log scale)")
-        ax.set_title(corpus)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _perplexity_panel(ax, corpus, "total parameters (M)")
     return _save(fig, plt, path)
 
 
@@ -153,12 +153,7 @@ def plot_ppl_vs_kv_bytes(results: list[dict], benches: list[dict], path) -> Path
                 ax.plot(*zip(*points), marker="*", markersize=12, color="black", linestyle="", label=name)
             else:
                 ax.plot(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], label=name)
-        _log_y(ax)
-        ax.set_xlabel("KV cache (KiB per token)")
-        ax.set_ylabel(f"perplexity on {corpus} (log scale)")
-        ax.set_title(corpus)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _perplexity_panel(ax, corpus, "KV cache (KiB per token)")
     return _save(fig, plt, path)
 
 
