@@ -18,10 +18,6 @@ from pathlib import Path
 from cli_runner import ROOT, run_retrofitter
 
 
-def retrofitter(args: list[str], threads: int, log: Path) -> float:
-    return run_retrofitter(args, threads=threads, log=log)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -37,20 +33,20 @@ def main() -> None:
     log = args.out / "log.txt"
     evaluation = ["--eval", "wiki-eval,austen", "--max-eval-tokens", str(args.max_eval_tokens), "--quiet"]
     if not (args.out / "original.json").exists():
-        retrofitter(["eval", args.model, "--ppl", "wiki-eval,austen", "--max-eval-tokens", str(args.max_eval_tokens),
-                     "--quiet", "--json", str(args.out / "original.json")], args.threads, log)
+        run_retrofitter(["eval", args.model, "--ppl", "wiki-eval,austen", "--max-eval-tokens", str(args.max_eval_tokens),
+                     "--quiet", "--json", str(args.out / "original.json")], threads=args.threads, log=log)
     points = {}
     for kv in args.kv_ratios.split(","):
         result = args.out / f"latentllm-{args.ratio:g}-kv-{kv}.json"
         if not result.exists():
             budget = [] if kv == "none" else ["--kv-ratio", kv]
-            retrofitter(["compress", args.model, "--method", "latentllm", "--ratio", str(args.ratio), *budget,
+            run_retrofitter(["compress", args.model, "--method", "latentllm", "--ratio", str(args.ratio), *budget,
                          "--calib-samples", str(args.calib_samples), "--out", str(args.out / f"model-kv-{kv}"),
-                         "--overwrite", *evaluation, "--json", str(result)], args.threads, log)
+                         "--overwrite", *evaluation, "--json", str(result)], threads=args.threads, log=log)
         record = json.loads(result.read_text())
         points[kv] = {"ppl": record["ppl"], "kv_bytes_per_token": record["kv_bytes_per_token"],
                       "params_total": record["params"]["total"], "compress_s": record["timings_s"].get("compress")}
-    retrofitter(["report", str(args.out), "--out", str(args.out / "report")], args.threads, log)
+    run_retrofitter(["report", str(args.out), "--out", str(args.out / "report")], threads=args.threads, log=log)
     original = json.loads((args.out / "original.json").read_text())
     summary = {"model": args.model, "method": "latentllm", "ratio": args.ratio, "calib_samples": args.calib_samples,
                "max_eval_tokens": args.max_eval_tokens, "threads": args.threads,
