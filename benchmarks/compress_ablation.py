@@ -9,6 +9,7 @@ Variants ("parts"), each at every ratio, same total linear-parameter budget:
     joint_vo          + joint VO as well, uniform
     rootcov_global_fisher    local rootcov, global allocation priced by loss gradients ("fisher")
     latentllm_global_fisher  joint QK + joint UD with global "fisher" allocation (= ``--method latentllm``)
+    latentllm_global_fisher_joint_qk_only / _joint_ud_only   one joint part, the other local, same allocation
     rootcov_global    local rootcov, global allocation with the "relative" weighting
     latentllm_global_fisher_kv50  latentllm with a second budget: latent k/v widths <= 0.5 x the original KV
     rootcov_refit     local rootcov, each group's statistics after the groups before it are replaced, uniform
@@ -59,6 +60,11 @@ PARTS: dict[str, dict] = {
     "joint_vo": dict(_LATENT, joint_vo=True, **_UNIFORM),
     "rootcov_global_fisher": dict(method="asvd-rootcov", **_SEQUENTIAL, allocation="global", allocation_weighting="fisher"),
     "latentllm_global_fisher": dict(_LATENT, allocation="global", allocation_weighting="fisher"),
+    # which joint part costs at mild ratios: one joint part at a time under the same global plan
+    "latentllm_global_fisher_joint_qk_only": dict(_LATENT, joint_mlp=False, allocation="global",
+                                                  allocation_weighting="fisher"),
+    "latentllm_global_fisher_joint_ud_only": dict(_LATENT, joint_qk=False, allocation="global",
+                                                  allocation_weighting="fisher"),
     "rootcov_global": dict(method="asvd-rootcov", **_SEQUENTIAL, allocation="global", allocation_weighting="relative"),
     "latentllm_global": dict(_LATENT, allocation="global", allocation_weighting="relative"),
     "latentllm_global_fisher_kv50": dict(_LATENT, allocation="global", allocation_weighting="fisher", kv_ratio=0.5),
