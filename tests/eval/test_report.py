@@ -123,6 +123,18 @@ def test_kv_frontier_plot_needs_two_kv_sizes_and_draws_one_line_per_method_and_r
     assert "](plots/ppl_vs_kv_bytes.png)" in text
 
 
+def test_a_linearized_model_without_ratio_is_not_drawn_as_the_original(tmp_path):
+    from retrofitter.eval.plots import is_original_model
+
+    linearized = {**_result("lolcats", None, 23.0, 36.0, 136_000_000), "kv_bytes_per_token": 0}
+    assert not is_original_model(linearized) and is_original_model(_result("original", None, 1, 1, 1))
+    write_json(_result("original", None, 19.0, 30.0, 134_000_000), tmp_path / "runs" / "original.json")
+    write_json(linearized, tmp_path / "runs" / "lin.json")
+    write_json(_result("asvd", 0.2, 30.0, 43.0, 113_000_000), tmp_path / "runs" / "asvd.json")
+    write_report([tmp_path / "runs"], tmp_path / "out")  # ppl_vs_ratio skips the ratio-less model
+    assert (tmp_path / "out" / "plots" / "ppl_vs_ratio.png").exists()
+
+
 def test_passkey_table_lists_accuracy_per_context():
     from retrofitter.eval.report import format_passkey_table
 

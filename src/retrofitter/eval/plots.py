@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["PLOTS", "plot_ppl_vs_ratio", "plot_ppl_vs_params", "plot_ppl_vs_kv_bytes", "plot_decode_speed", "plot_cache_bytes"]
+__all__ = ["PLOTS", "is_original_model", "plot_ppl_vs_ratio", "plot_ppl_vs_params", "plot_ppl_vs_kv_bytes",
+           "plot_decode_speed", "plot_cache_bytes"]
 
 _MAX_PANELS = 4
 _MARKERS = "osD^vP*Xh<>"
@@ -41,8 +42,9 @@ def _corpora(results: list[dict]) -> list[str]:
     return names[:_MAX_PANELS]
 
 
-def _is_original(result: dict) -> bool:
-    return result.get("ratio") is None or result.get("method") in (None, "original")
+def is_original_model(result: dict) -> bool:
+    """The unconverted model (``eval`` of a model retrofitter did not make); a linearized model has no ratio either."""
+    return result.get("method") in (None, "original")
 
 
 def _log_y(ax) -> None:
@@ -84,14 +86,14 @@ def _save(fig, plt, path) -> Path:
 def plot_ppl_vs_ratio(results: list[dict], benches: list[dict], path) -> Path | None:
     """Perplexity against the compression ratio (fraction of linear parameters removed)."""
     corpora = _corpora(results)
-    compressed = [r for r in results if not _is_original(r)]
+    compressed = [r for r in results if not is_original_model(r) and r.get("ratio") is not None]
     if not corpora or not compressed:
         return None
     plt = _pyplot()
     fig, axes = _panels(plt, len(corpora), "Perplexity vs compression ratio")
     methods = sorted({r.get("method", "?") for r in compressed})
     for ax, corpus in zip(axes, corpora):
-        originals = [r["ppl"][corpus] for r in results if _is_original(r) and r.get("ppl", {}).get(corpus)]
+        originals = [r["ppl"][corpus] for r in results if is_original_model(r) and r.get("ppl", {}).get(corpus)]
         for original in originals[:1]:  # one reference line; several originals would be the same model
             ax.axhline(original, color="grey", linestyle="--", linewidth=1)
             ax.plot([0], [original], marker="*", markersize=12, color="black", linestyle="", label="original")
@@ -111,11 +113,11 @@ def plot_ppl_vs_params(results: list[dict], benches: list[dict], path) -> Path |
         return None
     plt = _pyplot()
     fig, axes = _panels(plt, len(corpora), "Perplexity vs total parameters")
-    methods = sorted({"original" if _is_original(r) else r.get("method", "?") for r in results})
+    methods = sorted({"original" if is_original_model(r) else r.get("method", "?") for r in results})
     for ax, corpus in zip(axes, corpora):
         for index, method in enumerate(methods):
             points = sorted((r["params"]["total"] / 1e6, r["ppl"][corpus]) for r in results
-                            if ("original" if _is_original(r) else r.get("method", "?")) == method
+                            if ("original" if is_original_model(r) else r.get("method", "?")) == method
                             and r.get("ppl", {}).get(corpus) is not None and "params" in r)
             if points:
                 ax.plot(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], linestyle=":", label=method)
@@ -125,7 +127,7 @@ def plot_ppl_vs_params(results: list[dict], benches: list[dict], path) -> Path |
 
 def _kv_series(result: dict) -> str:
     """The line a result belongs to on the KV frontier: the method at its ratio (the KV budget varies along it)."""
-    if _is_original(result):
+    if is_original_model(result):
         return "original"
     return f"{result.get('method', '?')} {_ratio_label(result.get('ratio'))}"
 
