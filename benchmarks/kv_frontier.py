@@ -6,7 +6,7 @@ JSONs go to ``--out`` (a finished point is skipped when the script runs again), 
 report`` draws the frontier (plots/ppl_vs_kv_bytes.png) next to the original.
 
     python benchmarks/kv_frontier.py --ratio 0.3 --kv-ratios none,0.7,0.5,0.35 --calib-samples 16 \
-        --out runs/kv_frontier --json benchmarks/results/kv_frontier.json   # ~4 × 15 min on one core
+        --out runs/kv_frontier --json benchmarks/results/kv_frontier.json   # 10 min per point on one free core
 """
 
 from __future__ import annotations
