@@ -10,6 +10,8 @@ Variants ("parts"), each at every ratio, same total linear-parameter budget:
     rootcov_global_fisher    local rootcov, global allocation priced by loss gradients ("fisher")
     latentllm_global_fisher  joint QK + joint UD with global "fisher" allocation (= ``--method latentllm``)
     latentllm_global_fisher_joint_qk_only / _joint_ud_only   one joint part, the other local, same allocation
+    latentllm_global_fisher_anchored  the joint down map damped towards W_d instead of towards zero (ridge)
+    latentllm_global_fisher_select    per layer, anchored joint or local down fit by held-out calibration error
     rootcov_global    local rootcov, global allocation with the "relative" weighting
     latentllm_global_fisher_kv50  latentllm with a second budget: latent k/v widths <= 0.5 x the original KV
     rootcov_refit     local rootcov, each group's statistics after the groups before it are replaced, uniform
@@ -51,7 +53,7 @@ from retrofitter.eval.accounting import account
 _UNIFORM = dict(allocation="uniform")
 _SEQUENTIAL = dict(statistics="compressed")  # the local methods default to one pass of teacher statistics
 _LATENT = dict(method="latentllm", joint_qk=True, joint_mlp=True, joint_vo=False, mlp_algorithm="streaming",
-               statistics="compressed")
+               statistics="compressed", down_fit="ridge")
 PARTS: dict[str, dict] = {
     "rootcov_plain": dict(method="asvd-rootcov", junction=False, **_SEQUENTIAL, **_UNIFORM),
     "rootcov": dict(method="asvd-rootcov", **_SEQUENTIAL, **_UNIFORM),
@@ -65,6 +67,11 @@ PARTS: dict[str, dict] = {
                                                   allocation_weighting="fisher"),
     "latentllm_global_fisher_joint_ud_only": dict(_LATENT, joint_qk=False, allocation="global",
                                                   allocation_weighting="fisher"),
+    # the down fit of the joint MLP: damping anchored at W_d, and a per-layer held-out choice against local
+    "latentllm_global_fisher_anchored": dict(_LATENT, down_fit="anchored", allocation="global",
+                                             allocation_weighting="fisher"),
+    "latentllm_global_fisher_select": dict(_LATENT, down_fit="select", allocation="global",
+                                           allocation_weighting="fisher"),
     "rootcov_global": dict(method="asvd-rootcov", **_SEQUENTIAL, allocation="global", allocation_weighting="relative"),
     "latentllm_global": dict(_LATENT, allocation="global", allocation_weighting="relative"),
     "latentllm_global_fisher_kv50": dict(_LATENT, allocation="global", allocation_weighting="fisher", kv_ratio=0.5),

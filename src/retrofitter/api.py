@@ -17,6 +17,7 @@ from .eval.accounting import account, tensor_leaves
 from .eval.perplexity import perplexity
 from .eval.resources import peak_rss_mb, timed
 from .modules.quantize import QUANTIZE_SCHEMES, check_scheme, quantize_model, quantized_scheme
+from .pipelines.offload import load_as_copies
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
@@ -76,9 +77,14 @@ def load_model(name_or_path: str, dtype="float32", device="cpu", quantize: str |
         if is_retrofitted_dir(source):
             model = load_retrofitted(source, dtype=dtype, device=device)
         else:
-            config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
-            model = auto_class_for(config).from_pretrained(  # LLaVA: AutoModelForImageTextToText
-                source, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
+            # On CPU a same-dtype checkpoint is read as copies (pipelines/offload.py: no file mapping outlives
+            # the load, so replaced weights free their memory); otherwise, or when names differ, transformers.
+            model = load_as_copies(source, dtype) if device.type == "cpu" and Path(source).is_dir() else None
+            if model is None:
+                config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
+                model = auto_class_for(config).from_pretrained(  # LLaVA: AutoModelForImageTextToText
+                    source, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+            model = model.to(device).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except ModelLoadError:
         raise

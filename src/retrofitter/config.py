@@ -23,6 +23,7 @@ COMPRESS_METHODS: dict[str, str] = {
 # Where layer l's statistics come from (pipelines/sequential.py): the compressed model's own activations,
 # the original model's, or both (teacher_target: fit W' x_c to the original output W x_t, linalg/teacher_target.py).
 STATISTICS = ("compressed", "teacher", "teacher_target")
+DOWN_FITS = ("anchored", "ridge", "select")  # latentllm joint MLP: pipelines/latentllm.py
 
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
@@ -111,6 +112,10 @@ class CompressConfig(_JsonRoundTrip):
     joint_qk: bool = _option(True, "latentllm: joint QK (Tucker) decomposition")
     joint_vo: bool = _option(False, "latentllm: joint VO decomposition")
     joint_mlp: bool = _option(True, "latentllm: down projection refitted to the compressed MLP intermediate")
+    down_fit: str = _option("anchored", "latentllm joint MLP: how down is fitted to the compressed intermediate: "
+                            "anchored (damping pulls the map towards W_d), ridge (towards zero, the paper's "
+                            "regression), select (per layer, anchored or local rootcov, whichever has the "
+                            "smaller error on held-out calibration batches)", choices=DOWN_FITS)
     qk_iterations: int = _option(8, "latentllm: joint QK alternating eigen-updates")
     vo_iterations: int = _option(8, "latentllm: joint VO alternating eigen-updates")
     refit_within_layer: bool | None = _option(None, "statistics of each projection group after the groups before "
@@ -165,6 +170,8 @@ class CompressConfig(_JsonRoundTrip):
                              f"choose from {', '.join(ALLOCATION_WEIGHTINGS)}")
         if self.allocation_gradient_blocks < 1:
             raise ValueError(f"allocation_gradient_blocks must be >= 1, got {self.allocation_gradient_blocks}")
+        if self.down_fit not in DOWN_FITS:
+            raise ValueError(f"down_fit must be one of {', '.join(DOWN_FITS)}, got {self.down_fit!r}")
         if self.mlp_algorithm not in ("streaming", "auxiliary"):
             raise ValueError(f"mlp_algorithm must be 'streaming' or 'auxiliary', got {self.mlp_algorithm!r}")
         if not 0.0 <= self.allocation_min_keep < 1.0 - self.ratio + 1e-12:
@@ -220,7 +227,9 @@ class LinearizeConfig(_JsonRoundTrip):
       ``gradient_checkpointing`` (default on): each decoder layer is recomputed in the backward pass,
       so activation memory is one layer's instead of all layers' (the hybrid layer keeps about 350 MB
       of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
-    ``keep_softmax_layers``: layer indices left as softmax attention.
+    ``keep_softmax_layers``: layer indices left as softmax attention; ``keep_softmax_top`` K: after stage 1,
+      the K hybrid layers with the largest attention-transfer MSE (measured on the probe blocks) get
+      their softmax attention back (needs stage 1).
     """
 
     feature_map: str = _option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
@@ -248,6 +257,8 @@ class LinearizeConfig(_JsonRoundTrip):
     gradient_checkpointing: bool = _option(True, "recompute each decoder layer in the LoRA backward (memory of "
                                            "one layer's activations instead of all, ~30 %% more time)")
     keep_softmax_layers: tuple[int, ...] = _option((), "comma-separated layer indices that keep softmax attention")
+    keep_softmax_top: int = _option(0, "after stage 1, put softmax attention back in the K hybrid layers with the "
+                                    "largest attention-transfer error (0: none)")
     seed: int = _option(0, "random seed")
     lora_sharding: str = _option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
                                  choices=SHARDING_MODES)
@@ -273,6 +284,11 @@ class LinearizeConfig(_JsonRoundTrip):
         if self.lora_dropout:
             raise ValueError("lora_dropout is not supported: stage 2 adapts weight tensors (LoRA merged per tensor), "
                              "where input dropout has no place; use 0")
+        if self.keep_softmax_top < 0:
+            raise ValueError(f"keep_softmax_top must be >= 0, got {self.keep_softmax_top}")
+        if self.keep_softmax_top and not self.transfer_tokens:
+            raise ValueError("keep_softmax_top ranks layers by their attention-transfer error: it needs stage 1 "
+                             "(transfer_tokens > 0)")
         if any(int(i) < 0 for i in self.keep_softmax_layers):
             raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
 

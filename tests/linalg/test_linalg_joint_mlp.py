@@ -5,6 +5,7 @@ import torch
 
 from retrofitter.linalg.joint_mlp import (
     ACTIVATIONS,
+    down_fit_error,
     fit_down_to_compressed,
     joint_gated_mlp,
     joint_mlp_relu,
@@ -27,8 +28,13 @@ def test_streaming_down_fit_matches_explicit_least_squares_and_beats_local():
     B_g, A_g = weighted_low_rank(W_g, X @ X.T / tokens, 5, damping=1e-8)
     B_u, A_u = weighted_low_rank(W_u, X @ X.T / tokens, 5, damping=1e-8)
     h_hat = torch.nn.functional.silu(B_g @ A_g @ X) * (B_u @ A_u @ X)  # compressed intermediate
-    B, A = fit_down_to_compressed(W_d, h @ h_hat.T / tokens, h_hat @ h_hat.T / tokens, 6, damping=1e-10)
-    streaming = float((B @ A @ h_hat - W_d @ h).pow(2).sum())
+    streaming = {}
+    for anchored in (True, False):  # the two damping forms agree without damping
+        B, A = fit_down_to_compressed(W_d, h @ h_hat.T / tokens, h_hat @ h_hat.T / tokens, 6, damping=1e-10,
+                                      anchored=anchored)
+        streaming[anchored] = float((B @ A @ h_hat - W_d @ h).pow(2).sum())
+    assert streaming[True] == pytest.approx(streaming[False], rel=1e-6)
+    streaming = streaming[True]
     # Reference: brute-force rank-6 least squares min ‖W_d h − Ŵ ĥ‖ = SVD tail of the projected target.
     target = W_d @ h
     Q, _ = torch.linalg.qr(h_hat.T)  # orthonormal basis of ĥ's row space [l, m]
@@ -39,6 +45,29 @@ def test_streaming_down_fit_matches_explicit_least_squares_and_beats_local():
     B_local, A_local = weighted_low_rank(W_d, h @ h.T / tokens, 6, damping=1e-8)
     local = float((B_local @ A_local @ h_hat - target).pow(2).sum())
     assert streaming < local
+
+
+def test_anchored_damping_keeps_the_original_map_when_the_intermediate_is_exact():
+    """ĥ = h: the anchored fit is the plain rootcov fit of W_d whatever the damping; the ridge-to-zero one shrinks."""
+    X, W_g, W_u, W_d = _mlp(seed=3)
+    h = torch.nn.functional.silu(W_g @ X) * (W_u @ X)
+    moment = h @ h.T / h.shape[1]
+    full = min(W_d.shape)
+    B, A = fit_down_to_compressed(W_d, moment, moment, full, damping=0.5, anchored=True)
+    assert torch.allclose(B @ A, W_d, atol=1e-9)
+    B, A = fit_down_to_compressed(W_d, moment, moment, full, damping=0.5, anchored=False)
+    assert not torch.allclose(B @ A, W_d, atol=1e-3)
+
+
+def test_down_fit_error_equals_the_error_on_the_tokens():
+    X, W_g, W_u, W_d = _mlp(seed=4)
+    tokens = X.shape[1]
+    h = torch.nn.functional.silu(W_g @ X) * (W_u @ X)
+    h_hat = h + 0.1 * torch.randn(h.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    B, A = torch.randn(W_d.shape[0], 4, dtype=torch.float64), torch.randn(4, W_d.shape[1], dtype=torch.float64)
+    direct = float((W_d @ h - B @ A @ h_hat).pow(2).sum() / (W_d @ h).pow(2).sum())
+    from_moments = down_fit_error(W_d, B, A, h @ h.T / tokens, h @ h_hat.T / tokens, h_hat @ h_hat.T / tokens)
+    assert from_moments == pytest.approx(direct, rel=1e-10)
 
 
 def test_relu_joint_beats_local_and_streaming():

@@ -62,6 +62,33 @@ def test_joint_mlp_streaming_beats_local_down(family):
     assert errors[True] < errors[False]
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_select_down_fit_takes_the_held_out_winner_refitted_on_all_batches(family):
+    tokens = calibration()
+    groups = adapter_for(strong_tiny(family)).linear_groups
+    base = dict(method="latentllm", ratio=0.5, joint_qk=False, batch_size=4, targets=groups[-2] + groups[-1])
+    down = groups[-1][0]
+    models = {}
+    for name, part in {"select": dict(down_fit="select"), "joint": dict(down_fit="anchored"),
+                       "local": dict(joint_mlp=False)}.items():
+        models[name] = compress_model(strong_tiny(family), CompressConfig(**base, **part), tokens, progress=False)
+    (selected, report), adapter = models["select"], adapter_for(models["select"][0])
+    kinds = set()
+    for index, layer_report in enumerate(report["layers"]):
+        entry = layer_report["matrices"][down]
+        held_out = entry["held_out_error"]
+        kind = min(held_out, key=held_out.get)
+        kinds.add(kind)
+        assert entry["method"] == {"joint": "joint_mlp_streaming", "local": "local_by_held_out_error"}[kind]
+        if index:  # later layers see inputs made by the earlier choices: only layer 0 has a same-input reference
+            continue
+        chosen = adapter.get_linear(adapter.decoder_layers(selected)[index], down)
+        other = models[kind][0]
+        reference = adapter.get_linear(adapter.decoder_layers(other)[index], down)
+        assert torch.allclose(chosen.dense_weight(), reference.dense_weight(), atol=1e-5)
+    assert kinds
+
+
 @pytest.mark.parametrize("part", [dict(joint_vo=True), dict(mlp_algorithm="auxiliary", mlp_aux_tokens=128),
                                   dict(statistics="teacher"), dict(latent_attention=False)])
 def test_switches_run_and_stay_close(part):

@@ -221,3 +221,36 @@ def test_two_process_gloo_lora_run_keeps_ranks_in_sync(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not torch.equal(weights[0]["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_keep_softmax_top_restores_the_worst_transfer_layers_exactly_and_round_trips(tmp_path):
+    original = build_tiny("llama")
+    tokens = blocks(2, 20, seed=5)
+    with torch.no_grad():
+        reference = original(input_ids=tokens).logits
+    every = config(keep_softmax_top=2, lora_tokens=0)
+    restored_all, report = linearize_model(build_tiny("llama"), every, blocks(), None, progress=False)
+    assert report["restored_softmax_layers"] == [0, 1] and not hybrid_attention_modules(restored_all)
+    with torch.no_grad():  # every layer back to softmax: the original model, bit for bit
+        assert torch.equal(restored_all(input_ids=tokens).logits, reference)
+
+    model, report = linearize_model(build_tiny("llama"), config(keep_softmax_top=1, lora_tokens=0), blocks(), None,
+                                    progress=False)
+    errors = {layer: entry["mse_after"] for layer, entry in report["transfer"]["layers"].items()}
+    worst = max(errors, key=errors.get)
+    assert report["restored_softmax_layers"] == [worst] == report["kept_softmax_layers"]
+    assert list(hybrid_attention_modules(model)) == [1 - worst]
+    save(model, tmp_path / "out", metadata={"method": "lolcats"})
+    from retrofitter.checkpoint import load_retrofitted
+
+    loaded = load_retrofitted(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+    assert list(hybrid_attention_modules(loaded)) == [1 - worst]
+
+
+def test_keep_softmax_top_refuses_more_layers_than_hybrid_ones_and_a_run_without_stage_1():
+    with pytest.raises(ValueError, match="exceeds the 2 hybrid layers"):
+        linearize_model(build_tiny("llama"), config(keep_softmax_top=3, lora_tokens=0), blocks(), None, progress=False)
+    with pytest.raises(ValueError, match="needs stage 1"):
+        config(keep_softmax_top=1, transfer_tokens=0)

@@ -57,6 +57,7 @@ __all__ = [
     "HybridCache",
     "HybridSelfAttention",
     "HybridSettings",
+    "restore_softmax",
     "swap_to_hybrid",
     "hybrid_attention_modules",
     "key_padding_from_attention_mask",
@@ -142,6 +143,9 @@ class HybridSelfAttention(nn.Module):
             self.n_heads, self.n_kv_heads, self.head_dim, softmax_scale=self.scaling, **self.settings
         )
         self.mode = "hybrid"
+        # The HF module this one replaces, unregistered (its projections are ours already): what
+        # ``restore_softmax`` puts back.
+        object.__setattr__(self, "original_attention", original)
         self.transfer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def projection(self, role: str) -> nn.Module:
@@ -288,6 +292,27 @@ def swap_to_hybrid(model: nn.Module, settings: HybridSettings, keep_softmax_laye
         _set_attention(layer, adapter.attention_path, wrapper)
         replaced.append(index)
     return replaced
+
+
+def restore_softmax(model: nn.Module, layers) -> list[int]:
+    """Put the original softmax attention back in the hybrid ``layers`` (with their current projections);
+    the model then saves, loads and caches like one linearized with those layers in ``keep_softmax_layers``."""
+    adapter = adapter_for(model, capability="linearize")
+    decoder_layers = adapter.decoder_layers(model)
+    restored = []
+    for index in sorted(set(int(i) for i in layers)):
+        if not 0 <= index < len(decoder_layers):
+            raise ValueError(f"layer {index} out of range: the model has {len(decoder_layers)} layers")
+        module = adapter.attention(decoder_layers[index])
+        if not isinstance(module, HybridSelfAttention):
+            raise ValueError(f"layer {index} has no hybrid attention to restore")
+        original = module.original_attention
+        for path in module.paths.values():  # a projection replaced since the swap (LoRA, compression) stays
+            name = path.split(".")[0]
+            setattr(original, name, getattr(module, name))
+        _set_attention(decoder_layers[index], adapter.attention_path, original)
+        restored.append(index)
+    return restored
 
 
 def _family_options(adapter, model: nn.Module, original: nn.Module) -> dict:

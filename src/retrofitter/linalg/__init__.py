@@ -11,7 +11,7 @@ joint_vo         joint value/output solver
 joint_mlp        streaming down refit; auxiliary-variable joint MLP (ReLU, gated SiLU/GELU)
 """
 
-from .joint_mlp import fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
+from .joint_mlp import down_fit_error, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
 from .teacher_target import fit_low_rank_map, teacher_target_factors, teacher_target_map
 from .joint_qk import JointQKFactors, JointQKSolver, gqa_group_index, rope_relative_rotations
 from .joint_vo import JointVOFactors, JointVOSolver
@@ -42,6 +42,7 @@ __all__ = [
     "check_useful_rank",
     "damped",
     "factor_param_count",
+    "down_fit_error",
     "fit_down_to_compressed",
     "fit_low_rank_map",
     "teacher_target_factors",

@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from .svd import weighted_low_rank
-from .teacher_target import fit_low_rank_map
+from .teacher_target import fit_low_rank_map, teacher_target_factors
 
 __all__ = [
     "ACTIVATIONS",
     "JointMLPResult",
+    "down_fit_error",
     "fit_down_to_compressed",
     "joint_mlp_relu",
     "joint_gated_mlp",
@@ -62,11 +63,39 @@ def fit_down_to_compressed(
     second_moment: torch.Tensor,
     rank: int,
     damping: float = 1e-2,
+    anchored: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress down [d_out, m] for the compressed intermediate: E[h ĥᵀ] [m, m], E[ĥ ĥᵀ] [m, m] → (B, A):
-    W_d E[h ĥᵀ] (damped E[ĥ ĥᵀ])⁻¹, then rootcov (``fit_low_rank_map``)."""
+    """Compress down [d_out, m] for the compressed intermediate: E[h ĥᵀ] [m, m], E[ĥ ĥᵀ] [m, m] → (B, A).
+
+    The unconstrained map is W_d E[h ĥᵀ] E[ĥ ĥᵀ]⁻¹, then rootcov (the exact rank-r optimum). Both forms
+    agree without damping; they differ in what the damping pulls the map towards:
+    ``anchored`` (default): W_d + W_d (E[hĥᵀ] − E[ĥĥᵀ]) (damped E[ĥĥᵀ])⁻¹ — towards W_d itself (when ĥ = h
+    this is the local rootcov fit of W_d), as the teacher-target fits do (linalg/teacher_target.py);
+    otherwise W_d E[hĥᵀ] (damped E[ĥĥᵀ])⁻¹ — towards zero, which also shrinks W_d in the directions where
+    E[ĥĥᵀ] is below the damping.
+    """
     weight = W_d.detach().to(torch.float64)
+    if anchored:
+        return teacher_target_factors(weight, cross_moment, second_moment, rank, damping)
     return fit_low_rank_map(weight @ cross_moment.to(weight), second_moment, rank, damping)
+
+
+def down_fit_error(W_d: torch.Tensor, B: torch.Tensor, A: torch.Tensor, target_moment: torch.Tensor,
+                   cross_moment: torch.Tensor, second_moment: torch.Tensor) -> float:
+    """Relative output error E‖W_d h − B A ĥ‖² / E‖W_d h‖² of a down fit, from the moments of a token set:
+    E[h hᵀ], E[h ĥᵀ], E[ĥ ĥᵀ] (each [m, m]); with F = B A [d_out, m]:
+
+        E‖W_d h − F ĥ‖² = tr(W_d E[hhᵀ] W_dᵀ) − 2 tr(W_d E[hĥᵀ] Fᵀ) + tr(F E[ĥĥᵀ] Fᵀ)
+
+    Measured on tokens the fit did not see, it is the held-out error that chooses between fits.
+    """
+    weight = W_d.detach().to(torch.float64)
+    fit = B.detach().to(weight) @ A.detach().to(weight)
+    target = ((weight @ target_moment.to(weight)) * weight).sum()
+    if float(target) <= 0:
+        raise ValueError("down_fit_error: E‖W_d h‖² is zero (zero weight or zero intermediate)")
+    error = target - 2 * ((weight @ cross_moment.to(weight)) * fit).sum() + ((fit @ second_moment.to(weight)) * fit).sum()
+    return float(error / target)
 
 
 def _fit_columns(target: torch.Tensor, inputs: torch.Tensor, rank: int, damping: float) -> torch.Tensor:

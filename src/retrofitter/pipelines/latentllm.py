@@ -11,6 +11,10 @@ with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for a
  2. pass → C of the MLP input (with the compressed attention): gate/up (fc1) local rootcov;
  3. down (fc2): ``joint_mlp`` streaming variant — a pass collecting E[h ĥᵀ], E[ĥ ĥᵀ] with h the original
     and ĥ the compressed intermediate, then W* = W_d E[hĥᵀ]E[ĥĥᵀ]⁻¹ compressed with rootcov on E[ĥĥᵀ]
+    (``down_fit``: ``anchored`` damps towards W_d, ``ridge`` towards zero, linalg/joint_mlp.py; ``select``
+    fits the anchored map and local rootcov on one half of the calibration batches, scores each by
+    E‖W_d h − Ŵ ĥ‖² on the other half and back, and refits the winner on all: the regression on 16k
+    tokens of a 1536-wide intermediate can overfit, and then the local fit generalises better);
     (``mlp_algorithm="auxiliary"``: the joint auxiliary-variable algorithm on a token subsample instead);
     without ``joint_mlp``: local rootcov on E[ĥ ĥᵀ];
 
@@ -31,13 +35,14 @@ Ranks come from the loop's plan (pipelines/allocation.py: uniform, or global by 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from ..adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
 from ..config import CompressConfig
-from ..linalg.joint_mlp import ACTIVATIONS, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
+from ..linalg.joint_mlp import ACTIVATIONS, down_fit_error, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
 from ..linalg.joint_qk import JointQKSolver
 from ..linalg.joint_vo import JointVOSolver
 from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped
@@ -185,57 +190,68 @@ class _LatentLLMLayer:
             self.local(down_name, self.moments(down_name))
 
     def streaming_down(self, inputs, down_name: str) -> None:
-        """W* = W_d E[h ĥᵀ] E[ĥ ĥᵀ]⁻¹ (centered with a bias), rootcov-compressed on E[ĥ ĥᵀ]."""
+        """Down refitted to the compressed intermediate ĥ (``config.down_fit``, module docstring); with
+        ``select`` the calibration batches alternate between two folds, each candidate is fitted on one fold
+        and scored on the other, and the winner is refitted on both."""
         down = self.linear(down_name)
         originals = {n: self.context.originals[n] for n in inputs}
         compressed = {n: self.linear(n) for n in inputs}  # already replaced by their local fits
         activation = self.adapter.mlp_activation(self.layer)
-        width = down.in_features
-        device = down.weight.device
-        cross = CrossMomentAccumulator(width, width, device=device)
-        hat = SecondMomentAccumulator(width, device=device)
-        sums = {"h": torch.zeros(width, dtype=torch.float64, device=device)}
-
-        busy = []  # the hook calls the hooked module itself: guard against re-entry
+        select = self.config.down_fit == "select"
+        folds = [_DownMoments(down.in_features, down.weight.device, keep_target=select)
+                 for _ in range(2 if select else 1)]
+        calls = []  # the hook calls the hooked module itself: ``busy`` guards against re-entry
 
         def hook(_module, args, _output):
-            if busy:
+            if calls and calls[-1] == "busy":
                 return
-            busy.append(True)
+            fold = folds[len(calls) % len(folds)]
+            calls.append("busy")
             x = args[0].detach()
             h = mlp_intermediate(self.adapter.mlp_kind, activation, {n: m(x) for n, m in originals.items()})
             h_hat = mlp_intermediate(self.adapter.mlp_kind, activation, {n: m(x) for n, m in compressed.items()})
-            cross.update(h, h_hat)
-            hat.update(h_hat)
-            sums["h"] += h.reshape(-1, width).to(torch.float64).sum(0)
-            busy.clear()
+            fold.update(h, h_hat)
+            calls[-1] = "done"
 
         handle = compressed[inputs[0]].register_forward_hook(hook)
         try:
             self.context.run()
         finally:
             handle.remove()
-        self.context.synchronize(cross, hat, sums["h"])  # totals over the processes' calibration shares
-        hat.check_finite(f"layer {self.index} compressed MLP intermediate")
+        for fold in folds:  # totals over the processes' calibration shares
+            self.context.synchronize(*fold.accumulators())
         has_bias = down.bias is not None
-        cross_moment, hat_moment = cross.cross_moment, hat.second_moment
-        mean_h = sums["h"] / hat.count
-        if has_bias:  # centered: Cov(h, ĥ), Cov(ĥ)
-            cross_moment = cross_moment - torch.outer(mean_h, hat.mean)
-            hat_moment = hat.covariance()
-        rank = self.plan[(self.index, down_name)]
-        B, A = fit_down_to_compressed(down.weight, cross_moment, hat_moment, rank, self.config.damping)
+        rank, damping = self.plan[(self.index, down_name)], self.config.damping
+        fits = {"joint": lambda m: fit_down_to_compressed(down.weight, m.cross, m.hat, rank, damping,
+                                                          anchored=self.config.down_fit != "ridge"),
+                "local": lambda m: rootcov_svd(down.weight, m.hat, rank, damping)}
+        extra = {}
+        if select and min(fold.count for fold in folds) > 0:
+            parts = [fold.moments(has_bias) for fold in folds]
+            held_out = {kind: sum(down_fit_error(down.weight, *fit(parts[i]), parts[1 - i].target, parts[1 - i].cross,
+                                                 parts[1 - i].hat) for i in (0, 1)) / 2 for kind, fit in fits.items()}
+            kind = min(held_out, key=held_out.get)
+            extra = {"held_out_error": held_out}
+            folds[0].merge(folds[1])
+        else:
+            if select:
+                log.info("layer %d: one calibration batch, no held-out half: joint down fit", self.index)
+            kind = "joint"
+        total = folds[0]
+        total.hat_accumulator.check_finite(f"layer {self.index} compressed MLP intermediate")
+        moments = total.moments(has_bias)
+        B, A = fits[kind](moments)
         bias = None
-        if has_bias:
+        if has_bias:  # b̂ = b + W_d μ_h − Ŵ μ_ĥ
             weight = down.weight.detach().to(torch.float64)
-            bias = down.bias.detach().to(weight) + weight @ mean_h - B @ (A @ hat.mean)
+            bias = down.bias.detach().to(weight) + weight @ moments.mean_h - B @ (A @ moments.mean_hat)
         replacement = LatentLinear.from_factors(B, A, bias=bias, junction=self.config.junction,
                                                 dtype=down.weight.dtype, device=down.weight.device)
         # Proxy: E‖W_d h − Ŵ ĥ‖² / E‖W_d h‖² from the moments (h's own second moment is not kept: use Ŵ vs W*).
-        target = torch.linalg.solve(damped(hat_moment, self.config.damping), cross_moment.T.to(hat_moment)).T
-        target = down.weight.detach().to(torch.float64) @ target
-        error = proxy_error(target, B, A, hat_moment)
-        self.context.replace(down_name, replacement, entry(down, replacement, error, method="joint_mlp_streaming"))
+        target = torch.linalg.solve(damped(moments.hat, damping), moments.cross.T.to(moments.hat)).T
+        error = proxy_error(down.weight.detach().to(torch.float64) @ target, B, A, moments.hat)
+        method = "joint_mlp_streaming" if kind == "joint" else "local_by_held_out_error"
+        self.context.replace(down_name, replacement, entry(down, replacement, error, method=method, **extra))
 
     def _auxiliary(self, inputs, down_name: str) -> bool:
         """Joint auxiliary-variable MLP on a token subsample; False (→ streaming) when unsupported."""
@@ -280,6 +296,48 @@ class _LatentLLMLayer:
             self.context.replace(name, replacement, entry(module, replacement, error, method="joint_mlp_auxiliary",
                                                           output_errors=result.output_errors))
         return True
+
+
+class _DownMoments:
+    """E[h ĥᵀ], E[ĥ ĥᵀ], the sum of h and, for held-out scoring, E[h hᵀ] of one set of calibration tokens."""
+
+    def __init__(self, width: int, device, keep_target: bool):
+        self.cross_accumulator = CrossMomentAccumulator(width, width, device=device)
+        self.hat_accumulator = SecondMomentAccumulator(width, device=device)
+        self.target_accumulator = SecondMomentAccumulator(width, device=device) if keep_target else None
+        self.sum_h = torch.zeros(width, dtype=torch.float64, device=device)
+
+    def update(self, h: torch.Tensor, h_hat: torch.Tensor) -> None:
+        self.cross_accumulator.update(h, h_hat)
+        self.hat_accumulator.update(h_hat)
+        if self.target_accumulator is not None:
+            self.target_accumulator.update(h)
+        self.sum_h += h.reshape(-1, h.shape[-1]).to(torch.float64).sum(0)
+
+    def accumulators(self) -> list:
+        kept = [self.cross_accumulator, self.hat_accumulator, self.sum_h]
+        return kept + ([self.target_accumulator] if self.target_accumulator is not None else [])
+
+    @property
+    def count(self) -> float:
+        return self.hat_accumulator.count
+
+    def merge(self, other: "_DownMoments") -> None:
+        self.cross_accumulator.merge(other.cross_accumulator)
+        self.hat_accumulator.merge(other.hat_accumulator)
+        if self.target_accumulator is not None:
+            self.target_accumulator.merge(other.target_accumulator)
+        self.sum_h += other.sum_h
+
+    def moments(self, centered: bool) -> SimpleNamespace:
+        """cross, hat, target (None unless kept), mean_h, mean_hat; centered (covariances) for a layer with a bias."""
+        mean_h, mean_hat = self.sum_h / self.count, self.hat_accumulator.mean
+        cross, hat = self.cross_accumulator.cross_moment, self.hat_accumulator.second_moment
+        target = self.target_accumulator.second_moment if self.target_accumulator is not None else None
+        if centered:
+            cross, hat = cross - torch.outer(mean_h, mean_hat), self.hat_accumulator.covariance()
+            target = self.target_accumulator.covariance() if target is not None else None
+        return SimpleNamespace(cross=cross, hat=hat, target=target, mean_h=mean_h, mean_hat=mean_hat)
 
 
 def _activation_name(activation) -> str | None:

@@ -13,6 +13,7 @@
    ``joint`` mode runs the teacher model once per batch (all layers learn together);
    ``blockwise`` mode caches each layer's teacher inputs to disk once and trains layers one by one
    (resumable via ``progress.json``; with several processes, layer l trains on rank l mod world).
+   With ``keep_softmax_top`` K, the K layers with the largest transfer MSE then get softmax back.
 3. Stage 2: LoRA trained by the healing stage (KL to the original model by default, or next-token
    loss: ``lora_loss``), merged into the weights (``pipelines.lora``).
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..adapters.hybrid_attention import HybridSelfAttention, hybrid_attention_modules, swap_to_hybrid
+from ..adapters.hybrid_attention import HybridSelfAttention, hybrid_attention_modules, restore_softmax, swap_to_hybrid
 from ..config import LinearizeConfig
 from ..modules.feature_maps import FEATURE_MAPS
 from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
@@ -42,7 +43,7 @@ from .resume import RunDirectory, fingerprint
 from .training import make_accelerator
 
 __all__ = ["check_linearize_config", "TRANSFER_LOSS_SCALE", "TransferRecorder", "swap_attention", "transfer_mse", "attention_transfer",
-           "linearize_model"]
+           "restore_worst_layers", "linearize_model"]
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,9 @@ def _blockwise_transfer(model, blocks, config, accelerator, progress, work_dir) 
     """Cache teacher inputs per layer once, then train layers one by one; resumable."""
     modules = hybrid_attention_modules(model)
     _freeze_all_but(model, _trainable_transfer_parameters(modules.values()))
-    transfer_fields = {k: v for k, v in config.to_dict().items() if not k.startswith("lora")}
+    # what the trained layers depend on (stage 2 and the restore after stage 1 do not change them)
+    transfer_fields = {k: v for k, v in config.to_dict().items()
+                       if not k.startswith("lora") and k != "keep_softmax_top"}
     run_dir = RunDirectory(work_dir, fingerprint(transfer_fields, blocks, sorted(modules)))
     state = run_dir.load_progress() or {"captured": False, "done_layers": {}}
     accelerator.wait_for_everyone()  # all processes read the state before the main process changes it
@@ -312,6 +315,15 @@ def attention_transfer(model: nn.Module, blocks: torch.Tensor, config: Linearize
             "layers": layers, "gamma": {layer: m.hybrid.gamma.detach().cpu().tolist() for layer, m in modules.items()}}
 
 
+def restore_worst_layers(model: nn.Module, layers: dict, count: int) -> list[int]:
+    """Softmax attention back in the ``count`` layers with the largest ``mse_after`` of stage 1's ``layers``
+    report ({layer: {"mse_after": ...}}); returns them sorted."""
+    if count > len(layers):
+        raise ValueError(f"keep_softmax_top {count} exceeds the {len(layers)} hybrid layers")
+    worst = sorted(layers, key=lambda layer: layers[layer]["mse_after"], reverse=True)[:count]
+    return restore_softmax(model, worst)
+
+
 def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: torch.Tensor | None,
                     lora_blocks: torch.Tensor | None, accelerator=None, progress: bool = True, work_dir=None,
                     on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
@@ -336,6 +348,11 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     if transfer_blocks is not None and config.transfer_tokens > 0:
         report["transfer"] = attention_transfer(model, transfer_blocks, config, accelerator, progress, work_dir)
         timings["transfer"] = report["transfer"]["seconds"]
+        if config.keep_softmax_top:
+            report["restored_softmax_layers"] = restore_worst_layers(model, report["transfer"]["layers"],
+                                                                     config.keep_softmax_top)
+            report["kept_softmax_layers"] = sorted(set(report["kept_softmax_layers"])
+                                                   | set(report["restored_softmax_layers"]))
         if on_stage:
             on_stage("transfer", model)
     if run_lora:

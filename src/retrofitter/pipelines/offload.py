@@ -31,9 +31,13 @@ from ..adapters import ModelAdapter, UnsupportedArchitectureError, adapter_for, 
 from ..errors import ModelLoadError
 from ..eval.resources import release_free_heap_memory
 
-__all__ = ["SafetensorsCheckpoint", "LayerOffload", "empty_model", "SAFETENSORS_INDEX"]
+__all__ = ["SafetensorsCheckpoint", "LayerOffload", "empty_model", "load_as_copies", "SAFETENSORS_INDEX"]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# safetensors header dtype -> torch (integers map to their own; an unknown name maps to None)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class SafetensorsCheckpoint:
@@ -56,6 +60,14 @@ class SafetensorsCheckpoint:
 
     def __contains__(self, key: str) -> bool:
         return key in self.files
+
+    def floating_dtypes(self) -> set[torch.dtype]:
+        """The dtypes of the stored floating tensors (from the headers; nothing is read)."""
+        dtypes = set()
+        for file in sorted(set(self.files.values())):
+            with safe_open(str(file), framework="pt") as handle:
+                dtypes |= {_SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype()) for key in handle.keys()}
+        return {d for d in dtypes if d is None or d.is_floating_point}
 
     def read(self, keys, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """``keys`` read shard by shard (each file mapped once, then closed), floating tensors cast to ``dtype``,
@@ -87,6 +99,43 @@ def empty_model(directory, dtype: torch.dtype) -> nn.Module:
     config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False)
     with init_empty_weights(include_buffers=False):
         model = auto_class_for(config).from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def load_as_copies(directory, dtype: torch.dtype, chunk_bytes: int = 64 << 20) -> nn.Module | None:
+    """The model of a plain HF safetensors ``directory`` with every tensor an owned copy, or None when the
+    checkpoint's tensor names are not the model's (transformers renames them while loading: use it).
+
+    ``from_pretrained`` leaves same-dtype weights as views of the memory-mapped file: a page once read
+    then stays resident while any weight of the file lives, so a compression that replaces weights layer by
+    layer still holds the whole original file at its end. Here tensors are read in chunks of about
+    ``chunk_bytes``, each under its own mapping closed after the copy: the peak is the model plus one chunk,
+    and a replaced weight's memory is freed with it.
+    """
+    import transformers
+
+    checkpoint = SafetensorsCheckpoint(directory)
+    if checkpoint.floating_dtypes() != {dtype}:
+        return None  # another stored dtype: transformers' cast copies anyway
+    model = empty_model(directory, dtype)
+    expected = dict(model.state_dict(keep_vars=True))
+    if not set(checkpoint.files) <= set(expected):
+        return None
+    chunks, chunk, size = [], [], 0
+    for key in checkpoint.files:
+        chunk.append(key)
+        size += expected[key].numel() * expected[key].element_size()
+        if size >= chunk_bytes:
+            chunks, chunk, size = chunks + [chunk], [], 0
+    for keys in chunks + [chunk]:
+        if keys:
+            model.load_state_dict(checkpoint.read(keys, dtype), strict=False, assign=True)
+    model.tie_weights()
+    if any(t.is_meta for t in model.state_dict().values()):
+        return None  # a weight the checkpoint does not name (and no tie fills): leave it to transformers
+    generation = Path(directory) / "generation_config.json"
+    if generation.is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     return model.eval()
 
 
