@@ -95,6 +95,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     parser.add_argument("--restore-from", default="w64-f64-16k", help="variant whose worst layers get softmax back")
     parser.add_argument("--restore", default="2,4,6", help="numbers of layers given softmax back")
+    parser.add_argument("--restore-keys", default="mse_after,relative_mse_after",
+                        help="stage-1 errors that rank the layers: mse_after (what --keep-softmax-top uses) and/or "
+                             "relative_mse_after (MSE over the teacher output's mean square)")
     parser.add_argument("--seq-len", type=int, default=2048, help="training block length")
     parser.add_argument("--seq-lens", default="512,2048", help="evaluation lengths")
     parser.add_argument("--eval-tokens", type=int, default=4096)
@@ -131,13 +134,15 @@ def main() -> None:
         results["variants"][name] = row
         print(name, row["ppl"], f"{row['seconds']:.0f}s", flush=True)
         if name == args.restore_from:
-            for count in (int(k) for k in args.restore.split(",") if k):
-                restored = copy.deepcopy(student)
-                layers = restore_worst_layers(restored, report["transfer"]["layers"], count)
-                results["variants"][f"{name}+softmax{count}"] = {
-                    **row, "config": {**row["config"], "keep_softmax_top": count}, "softmax_layers": layers,
-                    "curve": False, "ppl": evaluate(restored, tokenizer, seq_lens, args.eval_tokens)}
-                print(f"{name}+softmax{count}", layers, results["variants"][f"{name}+softmax{count}"]["ppl"], flush=True)
+            for key in args.restore_keys.split(","):
+                for count in (int(k) for k in args.restore.split(",") if k):
+                    restored = copy.deepcopy(student)
+                    layers = restore_worst_layers(restored, report["transfer"]["layers"], count, key=key)
+                    label = f"{name}+softmax{count}" + ("" if key == "mse_after" else f" ({key})")
+                    results["variants"][label] = {
+                        **row, "config": {**row["config"], "keep_softmax_top": count}, "softmax_layers": layers,
+                        "ranked_by": key, "curve": False, "ppl": evaluate(restored, tokenizer, seq_lens, args.eval_tokens)}
+                    print(label, layers, results["variants"][label]["ppl"], flush=True)
         write_json(results, args.json)
     args.json.with_suffix(".md").write_text(format_markdown(results))
     plot(results, args.json.with_suffix(".png"))

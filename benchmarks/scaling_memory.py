@@ -41,7 +41,7 @@ def worker(args) -> None:
     from retrofitter.jobs import compress_job
 
     floor = warm_up(args.model, args.calib)  # what any run holds before its first model byte
-    config = CompressConfig(ratio=args.ratio, method=args.method, allocation="uniform", batch_size=args.batch_size)
+    config = CompressConfig(ratio=args.ratio, method=args.method, allocation=args.allocation, batch_size=args.batch_size)
     start = time.perf_counter()
     record = compress_job(args.model, Path(args.out), config, calib=args.calib, calib_samples=args.calib_samples,
                           seq_len=args.seq_len, overwrite=True, progress=False, out_of_core=args.mode == "out-of-core")
@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="asvd-rootcov")
     parser.add_argument("--ratio", type=float, default=0.3)
+    parser.add_argument("--allocation", default="uniform", choices=("uniform", "global"),
+                        help="global: the default of compress, in memory only (out of core refuses it)")
     parser.add_argument("--calib", default="wiki-calib")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -138,23 +140,21 @@ def main() -> None:
         runs[mode]["reused"] = True
     for mode in args.modes.split(","):
         command = [sys.executable, __file__, "--worker", mode, "--model", args.model, "--method", args.method,
-                   "--ratio", str(args.ratio), "--calib", args.calib, "--calib-samples", str(args.calib_samples),
+                   "--ratio", str(args.ratio), "--allocation", args.allocation, "--calib", args.calib, "--calib-samples", str(args.calib_samples),
                    "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
                    "--out", str(args.out / mode)]
         done = subprocess.run(command, check=True, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps(runs[mode]))
-    missing = {"in-memory", "out-of-core"} - set(runs)
-    if missing:
-        raise SystemExit(f"no record of {sorted(missing)} in {earlier}: run those modes too (--modes)")
     fp32 = fp32_size_mb(args.model)
-    result = {"model": args.model, "method": args.method, "ratio": args.ratio, "calib_samples": args.calib_samples,
-              "seq_len": args.seq_len, "batch_size": args.batch_size, "threads": args.threads, "fp32_model_mb": fp32,
-              "runs": runs,
-              "out_of_core_peak_above_floor_over_fp32": runs["out-of-core"]["peak_above_floor_mb"] / fp32,
-              "in_memory_peak_above_floor_over_fp32": runs["in-memory"]["peak_above_floor_mb"] / fp32,
-              **max_abs_diff(args.out / "in-memory", args.out / "out-of-core")}
+    result = {"model": args.model, "method": args.method, "ratio": args.ratio, "allocation": args.allocation,
+              "calib_samples": args.calib_samples, "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "threads": args.threads, "fp32_model_mb": fp32, "runs": runs}
+    for mode in runs:
+        result[f"{mode.replace('-', '_')}_peak_above_floor_over_fp32"] = runs[mode]["peak_above_floor_mb"] / fp32
+    if {"in-memory", "out-of-core"} <= set(runs):
+        result.update(max_abs_diff(args.out / "in-memory", args.out / "out-of-core"))
     (args.out / "scaling_memory.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
 

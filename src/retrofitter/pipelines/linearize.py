@@ -56,6 +56,7 @@ class TransferRecorder:
     def __init__(self, backward: bool):
         self.backward = backward
         self.sums: dict[int, float] = defaultdict(float)
+        self.powers: dict[int, float] = defaultdict(float)  # mean square of the teacher outputs
         self.counts: dict[int, int] = defaultdict(int)
 
     def __call__(self, layer_idx: int, student: torch.Tensor, teacher: torch.Tensor) -> None:
@@ -63,10 +64,15 @@ class TransferRecorder:
         if self.backward:
             (TRANSFER_LOSS_SCALE * mse).backward()
         self.sums[layer_idx] += float(mse.detach())
+        self.powers[layer_idx] += float(teacher.detach().float().pow(2).mean())
         self.counts[layer_idx] += 1
 
     def means(self) -> dict[int, float]:
         return {layer: self.sums[layer] / self.counts[layer] for layer in sorted(self.sums)}
+
+    def relative(self) -> dict[int, float]:
+        """MSE / mean square of the teacher output per layer (comparable across layers of different scale)."""
+        return {layer: self.sums[layer] / self.powers[layer] for layer in sorted(self.sums)}
 
 
 class _TransferMode:
@@ -123,15 +129,17 @@ def _average_gradients(parameters, accelerator) -> None:
 
 
 @torch.no_grad()
-def transfer_mse(model: nn.Module, blocks: torch.Tensor, batch_size: int = 1) -> dict[int, float]:
-    """Per-layer attention-output MSE (student vs teacher on teacher inputs) over ``blocks`` [N, n]."""
+def transfer_mse(model: nn.Module, blocks: torch.Tensor, batch_size: int = 1, relative: bool = False
+                 ) -> dict[int, float]:
+    """Per-layer attention-output MSE (student vs teacher on teacher inputs) over ``blocks`` [N, n];
+    ``relative``: divided by the mean square of the teacher outputs."""
     modules = hybrid_attention_modules(model).values()
     recorder = TransferRecorder(backward=False)
     device = next(model.parameters()).device
     with _TransferMode(modules, recorder):
         for start in range(0, blocks.shape[0], batch_size):
             model(input_ids=blocks[start:start + batch_size].to(device), use_cache=False)
-    return recorder.means()
+    return recorder.relative() if relative else recorder.means()
 
 
 def _joint_transfer(model, blocks, config, accelerator, progress) -> dict:
@@ -307,20 +315,22 @@ def attention_transfer(model: nn.Module, blocks: torch.Tensor, config: Linearize
         details = _joint_transfer(model, blocks, config, accelerator, progress)
     seconds = time.perf_counter() - start
     after = transfer_mse(model, probe, config.batch_size)
+    relative_after = transfer_mse(model, probe, config.batch_size, relative=True)
     for p in model.parameters():
         p.requires_grad_(False)
     model.train(was_training)
-    layers = {layer: {"mse_before": before[layer], "mse_after": after[layer]} for layer in sorted(before)}
+    layers = {layer: {"mse_before": before[layer], "mse_after": after[layer],
+                      "relative_mse_after": relative_after[layer]} for layer in sorted(before)}
     return {**details, "seconds": seconds, "tokens": int(blocks.numel()), "probe_blocks": int(probe.shape[0]),
             "layers": layers, "gamma": {layer: m.hybrid.gamma.detach().cpu().tolist() for layer, m in modules.items()}}
 
 
-def restore_worst_layers(model: nn.Module, layers: dict, count: int) -> list[int]:
-    """Softmax attention back in the ``count`` layers with the largest ``mse_after`` of stage 1's ``layers``
-    report ({layer: {"mse_after": ...}}); returns them sorted."""
+def restore_worst_layers(model: nn.Module, layers: dict, count: int, key: str = "mse_after") -> list[int]:
+    """Softmax attention back in the ``count`` layers with the largest ``key`` of stage 1's ``layers``
+    report ({layer: {"mse_after": ..., "relative_mse_after": ...}}); returns them sorted."""
     if count > len(layers):
         raise ValueError(f"keep_softmax_top {count} exceeds the {len(layers)} hybrid layers")
-    worst = sorted(layers, key=lambda layer: layers[layer]["mse_after"], reverse=True)[:count]
+    worst = sorted(layers, key=lambda layer: layers[layer][key], reverse=True)[:count]
     return restore_softmax(model, worst)
 
 
