@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from common import perplexities
+from retrofitter.adapters import adapter_for
 from retrofitter.api import compress, load_model, write_json
 from retrofitter.config import CompressConfig
 from retrofitter.data.blocks import token_blocks
@@ -95,6 +96,7 @@ def run_one(args, label, settings, calibration, eval_blocks, extra="") -> dict:
     ppl = perplexities(model, eval_blocks, args.batch_size)
     acc = account(model)
     layers = report["layers"]
+    down_name = adapter_for(model).linear_groups[-1][0]
     qk_errors = [r["qk_score_error"] for r in layers if "qk_score_error" in r]
     qk_local = [r["qk_score_error_local"] for r in layers if "qk_score_error_local" in r]
     row = {"part": label, "ratio": report["ratio"], "extra": extra, "ppl": ppl,
@@ -106,7 +108,9 @@ def run_one(args, label, settings, calibration, eval_blocks, extra="") -> dict:
            "mean_proxy_error": sum(e["proxy_error"] for r in layers for e in r["matrices"].values())
            / max(1, sum(len(r["matrices"]) for r in layers)),
            "keep_fraction_by_projection": report["allocation"].get("keep_fraction_by_projection"),
-           "ranks": {f"{r['layer']}.{n}": e["rank"] for r in layers for n, e in r["matrices"].items()}}
+           "ranks": {f"{r['layer']}.{n}": e["rank"] for r in layers for n, e in r["matrices"].items()},
+           # per layer, the fit of the MLP's last projection (down_fit="select": joint or local by held-out error)
+           "down_fits": [e["method"] for r in layers for n, e in r["matrices"].items() if n == down_name]}
     print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
     return row
 

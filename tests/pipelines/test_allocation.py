@@ -86,7 +86,8 @@ def test_output_gradient_importance_matches_autograd_reference(family):
     adapter = adapter_for(model)
     tokens = torch.randint(3, TINY_VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
     targets = list(adapter.linear_names)
-    fast = output_gradient_importance(model, adapter, tokens, targets, n_blocks=2)
+    fast = output_gradient_importance(model, adapter, tokens, targets, n_blocks=2)  # layers recomputed in backward
+    assert all("forward" not in layer.__dict__ for layer in adapter.decoder_layers(model))  # restored after
 
     outputs, handles = {}, []
     for index, layer in enumerate(adapter.decoder_layers(model)):

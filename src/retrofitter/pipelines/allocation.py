@@ -30,6 +30,7 @@ comes from a few backward passes of the original model (``allocation_gradient_bl
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
@@ -37,9 +38,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..config import CompressConfig
+from ..eval.resources import release_free_heap_memory
 from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
@@ -185,6 +188,30 @@ def damped_root(moment: torch.Tensor, damping: float) -> torch.Tensor:
     return root
 
 
+@contextlib.contextmanager
+def _recomputed_in_backward(layers):
+    """Each decoder layer of ``layers`` runs under non-reentrant activation checkpointing: its
+    intermediates are recomputed in the backward pass instead of kept, so the backward holds one layer's
+    activations plus the layer boundaries (a 512-token block of SmolLM2-135M: ~1.9 GB otherwise). The
+    autograd graph is the one of the plain forward (recomputation only refills saved tensors), so the
+    gradient hooks registered during the forward fire once, with the same values."""
+    own = [layer.__dict__.get("forward") for layer in layers]  # an instance forward (accelerate hooks) stays
+
+    def checkpointed(forward):
+        return lambda *args, **kwargs: torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    for layer in layers:
+        layer.forward = checkpointed(layer.forward)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = forward
+
+
 def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Tensor, targets: list[str],
                                n_blocks: int, parallel: DataParallel = SINGLE_PROCESS) -> dict:
     """f_m = Σ_t ‖∂L/∂y_{m,t}‖² / (T · d'_m) for every (layer index, name) in ``targets`` (module docstring).
@@ -217,7 +244,7 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
     model.eval()
     device = next(model.parameters()).device
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _recomputed_in_backward(layers):
             for row in blocks:
                 ids = row.unsqueeze(0).to(device)
                 logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
@@ -230,6 +257,7 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
         for handle in handles:
             handle.remove()
         model.train(was_training)
+        release_free_heap_memory()  # the backward's activations: back to the OS, not kept by the C heap
     if parallel.active:  # Σ over the processes' blocks: one float64 vector [keys..., tokens]
         keys = list(sums)
         totals = torch.tensor([sums[k] for k in keys] + [tokens], dtype=torch.float64, device=device)
