@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="override the preset's training block length")
     parser.add_argument("--transfer-tokens", type=int, default=None, help="override the preset's stage-1 tokens")
     parser.add_argument("--lora-tokens", type=int, default=None, help="override the preset's stage-2 tokens")
+    parser.add_argument("--window", type=int, default=None, help="override the preset's softmax window")
+    parser.add_argument("--keep-softmax-top", type=int, default=None, help="override the preset's keep_softmax_top")
     parser.add_argument("--lora-loss", choices=("kl", "next_token"), default=None,
                         help="override the preset's stage-2 objective (kl: distillation from the original)")
     args = parser.parse_args(argv)
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     seq_lens = [int(n) for n in args.seq_lens.split(",") if n]
     config = LinearizeConfig.preset(args.preset)
     overrides = {k: v for k, v in {"seq_len": args.seq_len, "transfer_tokens": args.transfer_tokens,
-                                    "lora_tokens": args.lora_tokens, "lora_loss": args.lora_loss}.items()
+                                    "lora_tokens": args.lora_tokens, "lora_loss": args.lora_loss,
+                                    "window": args.window, "keep_softmax_top": args.keep_softmax_top}.items()
                  if v is not None}
     if overrides:
         config = dataclasses.replace(config, **overrides)

@@ -88,6 +88,7 @@ def test_output_gradient_importance_matches_autograd_reference(family):
     targets = list(adapter.linear_names)
     fast = output_gradient_importance(model, adapter, tokens, targets, n_blocks=2)  # layers recomputed in backward
     assert all("forward" not in layer.__dict__ for layer in adapter.decoder_layers(model))  # restored after
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())  # no weight gradient, flags kept
 
     outputs, handles = {}, []
     for index, layer in enumerate(adapter.decoder_layers(model)):

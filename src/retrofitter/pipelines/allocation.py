@@ -243,6 +243,10 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    # Frozen weights: no weight gradient is computed or kept (it would hold a second copy of the model).
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
     try:
         with torch.enable_grad(), _recomputed_in_backward(layers):
             for row in blocks:
@@ -257,6 +261,8 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
         for handle in handles:
             handle.remove()
         model.train(was_training)
+        for p in trainable:
+            p.requires_grad_(True)
         release_free_heap_memory()  # the backward's activations: back to the OS, not kept by the C heap
     if parallel.active:  # Σ over the processes' blocks: one float64 vector [keys..., tokens]
         keys = list(sums)
