@@ -47,6 +47,7 @@ from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
 from .calibration import LayerStream, collect_input_moments
+from .distill import DistillationLoss
 from .distributed import SINGLE_PROCESS, DataParallel
 from .latency_allocation import latency_plan
 
@@ -249,13 +250,10 @@ def output_gradient_importance(model: nn.Module, adapter, calibration: torch.Ten
         p.requires_grad_(False)
     try:
         with torch.enable_grad(), _recomputed_in_backward(layers):
+            next_token_loss = DistillationLoss(model, nll_weight=1.0)  # mean NLL, LM head in position chunks
             for row in blocks:
                 ids = row.unsqueeze(0).to(device)
-                logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                         reduction="sum")
-                loss.backward()
+                (next_token_loss(ids) * (ids.shape[1] - 1)).backward()  # the summed loss: never [n, V] logits at once
                 tokens += ids.shape[1] - 1
     finally:
         for handle in handles:
