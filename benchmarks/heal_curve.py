@@ -17,29 +17,13 @@ import json
 from pathlib import Path
 
 from cli_runner import ROOT, run_retrofitter
+from plotting import plot_ratio_curves
 
 
 def plot(rows: list[dict], original: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for corpus, reference in original.items():
-        points = [(r["tokens"], r["ppl"][corpus] / reference) for r in rows]
-        ax.plot(*zip(*points), marker="o", label=corpus)
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="original")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("healing tokens (log scale; 0 = before healing shown at the left end)")
-    ax.set_ylabel("perplexity / original's")
-    ax.set_title("Healing: perplexity against distillation tokens")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    series = {corpus: [(r["tokens"], r["ppl"][corpus] / reference) for r in rows] for corpus, reference in original.items()}
+    plot_ratio_curves(series, path, xlabel="healing tokens (log scale; 0 = before healing shown at the left end)",
+                      ylabel="perplexity / original's", title="Healing: perplexity against distillation tokens")
 
 
 def main() -> None:

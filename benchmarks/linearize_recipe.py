@@ -29,6 +29,8 @@ from retrofitter.data.corpora import load_text
 from retrofitter.eval.perplexity import perplexity
 from retrofitter.pipelines.linearize import restore_worst_layers
 
+from plotting import plot_ratio_curves
+
 ROOT = Path(__file__).resolve().parents[1]
 # name -> overrides of the cpu-small preset (stage 1 only); "tokens" is stage 1's token count
 VARIANTS = {
@@ -64,29 +66,15 @@ def format_markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    series = {}
     for n in results["seq_lens"]:
         key = f"wiki-eval@{n}"
-        points = sorted((row["config"]["transfer_tokens"], row["ppl"][key] / results["original"][key])
-                        for row in results["variants"].values()
-                        if row.get("curve") and row["config"]["transfer_epochs"] == 1)
-        if points:
-            ax.plot(*zip(*points), marker="o", label=f"seq {n}")
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="original")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("stage-1 (attention transfer) tokens, 1 epoch")
-    ax.set_ylabel("wiki-eval perplexity / original's (no stage 2)")
-    ax.set_title("LoLCATs stage 1: window 64, feature dim 64")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        series[f"seq {n}"] = sorted((row["config"]["transfer_tokens"], row["ppl"][key] / results["original"][key])
+                                    for row in results["variants"].values()
+                                    if row.get("curve") and row["config"]["transfer_epochs"] == 1)
+    plot_ratio_curves(series, path, xlabel="stage-1 (attention transfer) tokens, 1 epoch",
+                      ylabel="wiki-eval perplexity / original's (no stage 2)",
+                      title="LoLCATs stage 1: window 64, feature dim 64")
 
 
 def main() -> None:
