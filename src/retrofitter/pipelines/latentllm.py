@@ -13,8 +13,8 @@ with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for a
     and ĥ the compressed intermediate, then W* = W_d E[hĥᵀ]E[ĥĥᵀ]⁻¹ compressed with rootcov on E[ĥĥᵀ]
     (``down_fit``: ``anchored`` damps towards W_d, ``ridge`` towards zero, linalg/joint_mlp.py; ``select``
     fits the anchored map and local rootcov on one half of the calibration batches, scores each by
-    E‖W_d h − Ŵ ĥ‖² on the other half and back, and refits the winner on all: the regression on 16k
-    tokens of a 1536-wide intermediate can overfit, and then the local fit generalises better);
+    E‖W_d h − Ŵ ĥ‖² on the other half and back, and refits the winner on all, in case the regression
+    overfits the calibration tokens; measured on SmolLM2-135M it does not beat ``anchored``, docs/results.md §2);
     (``mlp_algorithm="auxiliary"``: the joint auxiliary-variable algorithm on a token subsample instead);
     without ``joint_mlp``: local rootcov on E[ĥ ĥᵀ];
 
@@ -200,7 +200,7 @@ class _LatentLLMLayer:
         select = self.config.down_fit == "select"
         folds = [_DownMoments(down.in_features, down.weight.device, keep_target=select)
                  for _ in range(2 if select else 1)]
-        calls = []  # the hook calls the hooked module itself: ``busy`` guards against re-entry
+        calls = []  # one entry per batch; the hook calls the hooked module itself: a "busy" last entry is that re-entry
 
         def hook(_module, args, _output):
             if calls and calls[-1] == "busy":
