@@ -103,8 +103,9 @@ def empty_model(directory, dtype: torch.dtype) -> nn.Module:
 
 
 def load_as_copies(directory, dtype: torch.dtype, chunk_bytes: int = 64 << 20) -> nn.Module | None:
-    """The model of a plain HF safetensors ``directory`` with every tensor an owned copy, or None when the
-    checkpoint's tensor names are not the model's (transformers renames them while loading: use it).
+    """The model of a plain HF safetensors ``directory`` with every tensor an owned copy, or None where
+    transformers' loader is needed: a stored floating dtype other than ``dtype`` (its cast copies anyway)
+    or tensor names that are not the model's (it renames them while loading).
 
     ``from_pretrained`` leaves same-dtype weights as views of the memory-mapped file: a page once read
     then stays resident while any weight of the file lives, so a compression that replaces weights layer by
