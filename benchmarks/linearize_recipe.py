@@ -9,7 +9,7 @@ evaluated for each K of ``--restore``. Stage 2 is left out: it is the same for e
 stage 1 is what the variants change. A finished variant is skipped when the script runs again. Writes
 a JSON, a Markdown table and a PNG (perplexity against stage-1 tokens).
 
-    PYTHONPATH=src python benchmarks/linearize_recipe.py          # ~45 min on 2 cores (SmolLM2-135M)
+    PYTHONPATH=src python benchmarks/linearize_recipe.py   # SmolLM2-135M: the six stage-1 runs took 36 min on 2 shared cores
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ VARIANTS = {
     "w64-f64-8k": {"transfer_tokens": 8192, "transfer_epochs": 1},
     "w64-f64-16k": {"transfer_tokens": 16384, "transfer_epochs": 1},
     "w64-f64-32k": {"transfer_tokens": 32768, "transfer_epochs": 1},
-    "w64-f64-64k": {"transfer_tokens": 65536, "transfer_epochs": 1},
-    "w64-f64-128k": {"transfer_tokens": 131072, "transfer_epochs": 1},
     "w64-f64-16k-2ep": {"transfer_tokens": 16384, "transfer_epochs": 2},
     "w128-f64-16k": {"transfer_tokens": 16384, "transfer_epochs": 1, "window": 128},
     "w64-f128-16k": {"transfer_tokens": 16384, "transfer_epochs": 1, "feature_dim": 128},
