@@ -12,8 +12,11 @@ Variants ("parts"), each at every ratio, same total linear-parameter budget:
     latentllm_global_fisher_joint_qk_only / _joint_ud_only   one joint part, the other local, same allocation
     latentllm_global_fisher_anchored  the joint down map damped towards W_d instead of towards zero (ridge)
     latentllm_global_fisher_select    per layer, anchored joint or local down fit by held-out calibration error
+    latentllm_global_fisher_anchored_teacher_target   anchored, every fit (joint ones too) reproduces the
+                      original's outputs from the compressed inputs (--statistics teacher_target)
     rootcov_global    local rootcov, global allocation with the "relative" weighting
     latentllm_global_fisher_kv50  latentllm with a second budget: latent k/v widths <= 0.5 x the original KV
+    latentllm_global_fisher_anchored_kv50  the same with the anchored down fit (--method latentllm --kv-ratio 0.5)
     rootcov_refit     local rootcov, each group's statistics after the groups before it are replaced, uniform
     rootcov_teacher_target                 local rootcov fitted to the original's outputs, uniform ranks
     rootcov_global_fisher_teacher_target   the same with global fisher allocation
@@ -73,9 +76,13 @@ PARTS: dict[str, dict] = {
                                              allocation_weighting="fisher"),
     "latentllm_global_fisher_select": dict(_LATENT, down_fit="select", allocation="global",
                                            allocation_weighting="fisher"),
+    "latentllm_global_fisher_anchored_teacher_target": dict(_LATENT, down_fit="anchored", allocation="global",
+                                                            allocation_weighting="fisher", statistics="teacher_target"),
     "rootcov_global": dict(method="asvd-rootcov", **_SEQUENTIAL, allocation="global", allocation_weighting="relative"),
     "latentllm_global": dict(_LATENT, allocation="global", allocation_weighting="relative"),
     "latentllm_global_fisher_kv50": dict(_LATENT, allocation="global", allocation_weighting="fisher", kv_ratio=0.5),
+    "latentllm_global_fisher_anchored_kv50": dict(_LATENT, down_fit="anchored", allocation="global",
+                                                  allocation_weighting="fisher", kv_ratio=0.5),
     "rootcov_refit": dict(method="asvd-rootcov", **_SEQUENTIAL, refit_within_layer=True, **_UNIFORM),
     # teacher-target correction (linalg/teacher_target.py): each fit reproduces the original model's outputs
     "rootcov_teacher_target": dict(method="asvd-rootcov", statistics="teacher_target", refit_within_layer=True,

@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-tokens", type=int, default=None, help="override the preset's stage-2 tokens")
     parser.add_argument("--window", type=int, default=None, help="override the preset's softmax window")
     parser.add_argument("--keep-softmax-top", type=int, default=None, help="override the preset's keep_softmax_top")
+    parser.add_argument("--eval-stages", default="original,control,swap,transfer,lora",
+                        help="stages whose perplexity is measured (each costs one evaluation pass)")
     parser.add_argument("--lora-loss", choices=("kl", "next_token"), default=None,
                         help="override the preset's stage-2 objective (kl: distillation from the original)")
     args = parser.parse_args(argv)
@@ -90,7 +92,11 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model)
     results["kv_bytes_per_token_original"] = account(model).kv_bytes_per_token
 
+    eval_stages = {s for s in args.eval_stages.split(",") if s}
+
     def record(stage: str, current) -> None:
+        if stage not in eval_stages:
+            return
         t0 = time.perf_counter()
         results["ppl_by_stage"][stage] = stage_perplexities(current, tokenizer, corpora, seq_lens, args.eval_tokens)
         results["timings_s"][f"eval_{stage}"] = time.perf_counter() - t0

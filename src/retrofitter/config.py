@@ -80,7 +80,8 @@ class CompressConfig(_JsonRoundTrip):
     junction: store factors in block-identity form, r(d+d') − r² parameters instead of r(d+d').
     statistics: ``"compressed"`` — layer l is calibrated on the outputs of the already compressed
       layers < l (sequential); ``"teacher"`` — on the original model's activations; ``"teacher_target"``
-      — fitted so that the compressed inputs reproduce the original's outputs (local methods).
+      — fitted so that the compressed inputs reproduce the original's outputs (error feedback; for
+      ``latentllm`` also inside the joint QK / VO and down fits).
       ``None`` (default) resolves per method, ``DEFAULT_STATISTICS``: compressed for ``latentllm``,
       teacher for the local methods.
     damping: λ in C + λ·mean(diag C)·I.
@@ -100,7 +101,7 @@ class CompressConfig(_JsonRoundTrip):
     junction: bool = _option(True, "block-identity factors, r(d+d')-r^2 parameters (--no-junction: plain B, A)")
     statistics: str | None = _option(None, "calibrate layer l on the compressed model's activations (compressed), "
                                      "on the original's (teacher), or fit the compressed model's inputs to the "
-                                     "original's outputs (teacher_target: error feedback, local methods); default: "
+                                     "original's outputs (teacher_target: error feedback); default: "
                                      "teacher for the local methods, compressed for latentllm",
                                      choices=STATISTICS)
     damping: float = _option(1e-2, "lambda in C + lambda*mean(diag C)*I")
@@ -152,9 +153,6 @@ class CompressConfig(_JsonRoundTrip):
             object.__setattr__(self, "statistics", DEFAULT_STATISTICS.get(self.method, "teacher"))
         if self.statistics not in STATISTICS:
             raise ValueError(f"statistics must be one of {', '.join(STATISTICS)}, got {self.statistics!r}")
-        if self.statistics == "teacher_target" and self.method == "latentllm":
-            raise ValueError("statistics='teacher_target' (--statistics teacher_target) serves the local methods "
-                             "(svd, asvd-*, svd-llm); latentllm's joint fits use 'compressed' or 'teacher'")
         if self.allocation is None:  # frozen dataclass: resolve the method's default once, at construction
             object.__setattr__(self, "allocation", DEFAULT_ALLOCATION.get(self.method, "global"))
         if self.allocation not in ("uniform", "global"):
@@ -174,6 +172,9 @@ class CompressConfig(_JsonRoundTrip):
             raise ValueError(f"down_fit must be one of {', '.join(DOWN_FITS)}, got {self.down_fit!r}")
         if self.mlp_algorithm not in ("streaming", "auxiliary"):
             raise ValueError(f"mlp_algorithm must be 'streaming' or 'auxiliary', got {self.mlp_algorithm!r}")
+        if self.method == "latentllm" and self.mlp_algorithm == "auxiliary" and self.statistics == "teacher_target":
+            raise ValueError("mlp_algorithm='auxiliary' fits the compressed model's own MLP inputs; "
+                             "statistics='teacher_target' needs the default --mlp-algorithm streaming")
         if not 0.0 <= self.allocation_min_keep < 1.0 - self.ratio + 1e-12:
             raise ValueError(f"allocation_min_keep must lie in [0, 1 - ratio], got {self.allocation_min_keep}")
         if self.kv_ratio is not None:

@@ -6,6 +6,7 @@ import torch
 from retrofitter.adapters import adapter_for
 from retrofitter.checkpoint import load_retrofitted, save_retrofitted
 from retrofitter.config import CompressConfig
+from retrofitter.linalg.joint_mlp import fit_down_to_compressed
 from retrofitter.modules.latent_attention import LatentAttention
 from retrofitter.modules.latent_linear import LatentLinear
 from retrofitter.pipelines.compress import compress_model
@@ -120,3 +121,75 @@ def test_checkpoint_resume_gives_same_model(tmp_path):
     checkpoint = tmp_path / "ckpt"
     model, _ = compress_model(strong_tiny("llama"), config, tokens, progress=False, checkpoint_dir=checkpoint)
     torch.testing.assert_close(model(tokens).logits, straight(tokens).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_teacher_target_joint_fits_equal_the_plain_ones_where_both_streams_agree(family):
+    """Layer 0's attention input is the same in both streams (C_tc = C_cc): joint QK and v equal the plain
+    fit's; later layers are corrected towards the original's outputs."""
+    tokens = calibration()
+    config = dict(method="latentllm", ratio=0.3, batch_size=4, allocation="uniform", latent_attention=False)
+    plain, _ = compress_model(strong_tiny(family), CompressConfig(**config), tokens, progress=False)
+    target, report = compress_model(strong_tiny(family), CompressConfig(statistics="teacher_target", **config),
+                                    tokens, progress=False)
+    adapter = adapter_for(plain)
+    for name in ("q", "k", "v"):
+        expected = adapter.get_linear(adapter.decoder_layers(plain)[0], name)
+        actual = adapter.get_linear(adapter.decoder_layers(target)[0], name)
+        torch.testing.assert_close(actual.dense_weight(), expected.dense_weight(), rtol=1e-5, atol=1e-5)
+        if expected.bias is not None:
+            torch.testing.assert_close(actual.bias, expected.bias, rtol=1e-5, atol=1e-5)
+    later = [(adapter.get_linear(adapter.decoder_layers(m)[1], "q").dense_weight() for m in (plain, target))]
+    assert not torch.allclose(*later[0], atol=1e-4)
+    methods = {e["method"] for r in report["layers"] for e in r["matrices"].values()}
+    assert methods == {"joint_qk", "teacher_target", "joint_mlp_streaming"}
+
+
+def test_teacher_target_down_fit_is_the_anchored_fit_of_the_teachers_intermediate():
+    """Layer 0's down: h = act(W_g x_t) ⊙ W_u x_t from the original's MLP input, ĥ from the compressed model's
+    (its layer 0 is final once fitted), collected here by hooks and fitted in float64. Plain factors: the
+    junction form reorders the MLP's intermediate units."""
+    tokens = calibration()
+    config = CompressConfig(method="latentllm", ratio=0.3, batch_size=4, statistics="teacher_target",
+                            latent_attention=False, junction=False)
+    original = strong_tiny("llama")
+    model, report = compress_model(strong_tiny("llama"), config, tokens, progress=False)
+    adapter = adapter_for(model)
+
+    def mlp_input(m):
+        seen = []
+        layer = adapter.decoder_layers(m)[0]
+        handle = adapter.get_linear(layer, "gate").register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+        with torch.no_grad():
+            m(tokens)
+        handle.remove()
+        return seen[0].reshape(-1, seen[0].shape[-1]).to(torch.float64), layer
+
+    (x_t, teacher_layer), (x_c, layer) = mlp_input(original), mlp_input(model)
+    act = adapter.mlp_activation(teacher_layer)
+    g_t, u_t, d_t = (adapter.get_linear(teacher_layer, n).weight.double() for n in ("gate", "up", "down"))
+    g_c, u_c = (adapter.get_linear(layer, n).dense_weight().double() for n in ("gate", "up"))
+    h = act(x_t @ g_t.T) * (x_t @ u_t.T)
+    h_hat = act(x_c @ g_c.T) * (x_c @ u_c.T)
+    n = h.shape[0]
+    rank = report["layers"][0]["matrices"]["down"]["rank"]
+    B, A = fit_down_to_compressed(d_t, h.T @ h_hat / n, h_hat.T @ h_hat / n, rank, config.damping)
+    down = adapter.get_linear(layer, "down")
+    torch.testing.assert_close(down.dense_weight().double(), B @ A, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_teacher_target_brings_latentllm_closer_to_the_original(family):
+    tokens = calibration()
+    reference = strong_tiny(family)(tokens).logits
+    errors = {}
+    for statistics in ("compressed", "teacher_target"):
+        config = CompressConfig(method="latentllm", ratio=0.4, batch_size=4, statistics=statistics)
+        model, _ = compress_model(strong_tiny(family), config, tokens, progress=False)
+        errors[statistics] = loss(model, tokens, reference)
+    assert errors["teacher_target"] < errors["compressed"]
+
+
+def test_teacher_target_refuses_the_auxiliary_mlp():
+    with pytest.raises(ValueError, match="--mlp-algorithm streaming"):
+        CompressConfig(method="latentllm", statistics="teacher_target", mlp_algorithm="auxiliary")

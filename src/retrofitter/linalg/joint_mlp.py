@@ -25,15 +25,18 @@ variant for comparison). Bias-free layers only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .moments import CrossMomentAccumulator, SecondMomentAccumulator
 from .svd import weighted_low_rank
 from .teacher_target import fit_low_rank_map, teacher_target_factors
 
 __all__ = [
+    "DownFitMoments",
     "ACTIVATIONS",
     "JointMLPResult",
     "down_fit_error",
@@ -285,3 +288,45 @@ def joint_gated_mlp(
         "down": _factor(down_best, rank_d),
     }
     return JointMLPResult(weights, factors, errors, best_iteration, streaming_error)
+
+
+class DownFitMoments:
+    """E[h ĥᵀ], E[ĥ ĥᵀ], the sum of h and, for held-out scoring, E[h hᵀ] of one set of calibration tokens."""
+
+    def __init__(self, width: int, device, keep_target: bool):
+        self.cross_accumulator = CrossMomentAccumulator(width, width, device=device)
+        self.hat_accumulator = SecondMomentAccumulator(width, device=device)
+        self.target_accumulator = SecondMomentAccumulator(width, device=device) if keep_target else None
+        self.sum_h = torch.zeros(width, dtype=torch.float64, device=device)
+
+    def update(self, h: torch.Tensor, h_hat: torch.Tensor) -> None:
+        self.cross_accumulator.update(h, h_hat)
+        self.hat_accumulator.update(h_hat)
+        if self.target_accumulator is not None:
+            self.target_accumulator.update(h)
+        self.sum_h += h.reshape(-1, h.shape[-1]).to(torch.float64).sum(0)
+
+    def accumulators(self) -> list:
+        kept = [self.cross_accumulator, self.hat_accumulator, self.sum_h]
+        return kept + ([self.target_accumulator] if self.target_accumulator is not None else [])
+
+    @property
+    def count(self) -> float:
+        return self.hat_accumulator.count
+
+    def merge(self, other: "DownFitMoments") -> None:
+        self.cross_accumulator.merge(other.cross_accumulator)
+        self.hat_accumulator.merge(other.hat_accumulator)
+        if self.target_accumulator is not None:
+            self.target_accumulator.merge(other.target_accumulator)
+        self.sum_h += other.sum_h
+
+    def moments(self, centered: bool) -> SimpleNamespace:
+        """cross, hat, target (None unless kept), mean_h, mean_hat; centered (covariances) for a layer with a bias."""
+        mean_h, mean_hat = self.sum_h / self.count, self.hat_accumulator.mean
+        cross, hat = self.cross_accumulator.cross_moment, self.hat_accumulator.second_moment
+        target = self.target_accumulator.second_moment if self.target_accumulator is not None else None
+        if centered:
+            cross, hat = cross - torch.outer(mean_h, mean_hat), self.hat_accumulator.covariance()
+            target = self.target_accumulator.covariance() if target is not None else None
+        return SimpleNamespace(cross=cross, hat=hat, target=target, mean_h=mean_h, mean_hat=mean_hat)

@@ -18,6 +18,12 @@ with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for a
     (``mlp_algorithm="auxiliary"``: the joint auxiliary-variable algorithm on a token subsample instead);
     without ``joint_mlp``: local rootcov on E[ĥ ĥᵀ];
 
+Teacher targets (``statistics="teacher_target"``, error feedback as in linalg/teacher_target.py): every
+statistic pairs the compressed input x_c with the original model's input x_t of the same token. Local
+fits reproduce W x_t from x_c; the joint QK / VO solvers run on the target maps W̃ = W + W(C_tc − C_cc)
+(damped C_cc)⁻¹ in the C_cc metric (o keeps W_o: its input is the attention mix); the down fit uses the
+teacher's intermediate h = act(W_g x_t) ⊙ (W_u x_t) against the compressed ĥ.
+
 Biases (OPT, Qwen2 q/k/v): every fit uses centered statistics C0 = C − μμᵀ and the bias is compensated,
 b̂ = b + (W − BA)μ (for down: b̂ = b + W_d μ_h − Ŵ μ_ĥ). The joint QK/VO solvers have no bias terms:
 they run on the centered moments and each projection's bias is compensated afterwards (exact for the
@@ -35,20 +41,19 @@ Ranks come from the loop's plan (pipelines/allocation.py: uniform, or global by 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
 from ..adapters.latent_attention import latent_cache_numbers_per_token, to_latent_attention
 from ..config import CompressConfig
-from ..linalg.joint_mlp import ACTIVATIONS, down_fit_error, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
+from ..linalg.joint_mlp import ACTIVATIONS, DownFitMoments, down_fit_error, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
 from ..linalg.joint_qk import JointQKSolver
 from ..linalg.joint_vo import JointVOSolver
-from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped
+from ..linalg.moments import SecondMomentAccumulator, damped
 from ..linalg.svd import bias_compensation, proxy_error, rootcov_svd
+from ..linalg.teacher_target import teacher_target_map
 from ..modules.latent_linear import LatentLinear
-from .local_svd import entry, fit_local
+from .local_svd import entry, fit_local, fit_teacher_target
 from .sequential import LayerContext
 
 __all__ = ["LatentLLMStrategy", "mlp_intermediate"]
@@ -66,10 +71,17 @@ def _centered(accumulator: SecondMomentAccumulator, has_bias: bool) -> torch.Ten
     return accumulator.covariance() if has_bias else accumulator.second_moment
 
 
-def _from_factors(linear: nn.Module, B, A, accumulator, config: CompressConfig) -> LatentLinear:
-    """LatentLinear from float64 factors; bias compensated with the input mean when the layer has a bias."""
-    has_bias = linear.bias is not None
-    bias = bias_compensation(linear.weight, B, A, linear.bias, accumulator.mean) if has_bias else None
+def _from_factors(linear: nn.Module, B, A, accumulator, config: CompressConfig,
+                  teacher_mean: torch.Tensor | None = None) -> LatentLinear:
+    """LatentLinear from float64 factors; with a bias, b̂ = b + (W − BA)μ of the input mean μ, or with teacher
+    targets b̂ = b + W μ_t − BA μ_c (``teacher_mean`` = μ_t, ``accumulator`` of x_c)."""
+    bias = None
+    if linear.bias is not None and teacher_mean is None:
+        bias = bias_compensation(linear.weight, B, A, linear.bias, accumulator.mean)
+    elif linear.bias is not None:
+        weight = linear.weight.detach().to(torch.float64)
+        bias = (linear.bias.detach().to(weight) + weight @ teacher_mean.to(weight)
+                - B @ (A @ accumulator.mean.to(weight)))
     return LatentLinear.from_factors(B, A, bias=bias, junction=config.junction, dtype=linear.weight.dtype,
                                      device=linear.weight.device)
 
@@ -101,6 +113,7 @@ class _LatentLLMLayer:
         self.plan, self.config, self.targets = context.plan, context.config, context.targets
         self.layout = context.adapter.attention_layout(context.model)
         self.extra = context.extra
+        self.teacher_target = self.config.statistics == "teacher_target"
 
     # ---------------------------------------------------------------- helpers
     def linear(self, name: str) -> nn.Module:
@@ -109,12 +122,34 @@ class _LatentLLMLayer:
     def moments(self, leader: str) -> SecondMomentAccumulator:
         return self.context.moments({leader: self.linear(leader)})[leader]
 
-    def local(self, name: str, accumulator: SecondMomentAccumulator) -> None:
-        fit_local(self.context, name, accumulator, method="local")
+    def statistics(self, leader: str):
+        """The input statistics of ``leader``: its SecondMomentAccumulator, or with teacher targets the
+        paired ``(C_cc accumulator, μ_t, E[x_t x_cᵀ] accumulator)``."""
+        if self.teacher_target:
+            return self.context.paired_moments({leader: self.linear(leader)})[leader]
+        return self.moments(leader)
 
-    def replace(self, name: str, replacement: LatentLinear, moment: torch.Tensor, **extra) -> None:
+    def local(self, name: str, statistics) -> None:
+        if self.teacher_target:
+            fit_teacher_target(self.context, name, statistics)
+        else:
+            fit_local(self.context, name, statistics, method="local")
+
+    def target(self, linear: nn.Module, statistics, moment: torch.Tensor, centered: bool) -> torch.Tensor:
+        """The map the joint solvers approximate: W, or with teacher targets W̃ = W + W(C_tc − C_cc)C_cc⁻¹
+        (``moment`` = C_cc; ``centered``: covariances, for layers with biases)."""
+        if not self.teacher_target:
+            return linear.weight
+        accumulator, mean_t, cross = statistics
+        cross_moment = cross.cross_moment
+        if centered:
+            cross_moment = cross_moment - torch.outer(mean_t, accumulator.mean)
+        return teacher_target_map(linear.weight, cross_moment, moment, self.config.damping)
+
+    def replace(self, name: str, replacement: LatentLinear, moment: torch.Tensor, reference=None, **extra) -> None:
         linear = self.linear(name)
-        error = proxy_error(linear.weight, replacement.up.detach(), replacement.down_weight().detach(), moment)
+        reference = linear.weight if reference is None else reference
+        error = proxy_error(reference, replacement.up.detach(), replacement.down_weight().detach(), moment)
         self.context.replace(name, replacement, entry(linear, replacement, error, **extra))
 
     # ---------------------------------------------------------------- parts
@@ -122,50 +157,56 @@ class _LatentLLMLayer:
         wanted = [n for n in ("q", "k", "v") if n in self.targets]
         if not wanted and "o" not in self.targets:
             return
-        accumulator = self.moments("q")
+        statistics = self.statistics("q")
         qk_joint = self.config.joint_qk and "q" in wanted and "k" in wanted
         if qk_joint:
-            self.joint_qk(accumulator)
+            self.joint_qk(statistics)
         vo_joint = self.config.joint_vo and "v" in wanted and "o" in self.targets
         if vo_joint:
-            self.joint_vo(accumulator)
+            self.joint_vo(statistics)
         for name in wanted:
             if name not in self.context.entries:
-                self.local(name, accumulator)
+                self.local(name, statistics)
         if "o" in self.targets and "o" not in self.context.entries:
-            self.local("o", self.moments("o"))
+            self.local("o", self.statistics("o"))
 
-    def joint_qk(self, accumulator) -> None:
+    def joint_qk(self, statistics) -> None:
         q, k, layout, config = self.linear("q"), self.linear("k"), self.layout, self.config
+        accumulator = statistics[0] if self.teacher_target else statistics
+        teacher_mean = statistics[1] if self.teacher_target else None
         has_bias = q.bias is not None or k.bias is not None
         moment = _centered(accumulator, has_bias)
-        solver = JointQKSolver(q.weight, k.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
+        W_q, W_k = self.target(q, statistics, moment, has_bias), self.target(k, statistics, moment, has_bias)
+        solver = JointQKSolver(W_q, W_k, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "q")], self.plan[(self.index, "k")],
                                iterations=config.qk_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         score_error = solver.score_error(factors.A_q, factors.B_q, factors.A_k, factors.B_k)
         # The same score error of separate rootcov factors at the same ranks: what joint QK improves on.
-        B_q_local, A_q_local = rootcov_svd(q.weight, moment, self.plan[(self.index, "q")], config.damping)
-        B_k_local, A_k_local = rootcov_svd(k.weight, moment, self.plan[(self.index, "k")], config.damping)
+        B_q_local, A_q_local = rootcov_svd(W_q, moment, self.plan[(self.index, "q")], config.damping)
+        B_k_local, A_k_local = rootcov_svd(W_k, moment, self.plan[(self.index, "k")], config.damping)
         history = [float(v) for v in factors.objective_history]
         self.extra["qk_score_error"] = score_error
         self.extra["qk_score_error_local"] = solver.score_error(A_q_local, B_q_local, A_k_local, B_k_local)
         self.extra["qk_objective"] = history
-        for name, linear, B, A in (("q", q, factors.B_q, factors.A_q), ("k", k, factors.B_k, factors.A_k)):
-            self.replace(name, _from_factors(linear, B, A, accumulator, config), moment, method="joint_qk",
-                         score_error=score_error)
+        for name, linear, W, B, A in (("q", q, W_q, factors.B_q, factors.A_q), ("k", k, W_k, factors.B_k, factors.A_k)):
+            self.replace(name, _from_factors(linear, B, A, accumulator, config, teacher_mean), moment, reference=W,
+                         method="joint_qk", score_error=score_error)
 
-    def joint_vo(self, accumulator) -> None:
+    def joint_vo(self, statistics) -> None:
         v, o, layout, config = self.linear("v"), self.linear("o"), self.layout, self.config
+        accumulator = statistics[0] if self.teacher_target else statistics
+        teacher_mean = statistics[1] if self.teacher_target else None
         moment = _centered(accumulator, v.bias is not None)
-        solver = JointVOSolver(v.weight, o.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
+        W_v = self.target(v, statistics, moment, v.bias is not None)
+        solver = JointVOSolver(W_v, o.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "v")], self.plan[(self.index, "o")],
                                iterations=config.vo_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         map_error = solver.map_error(factors.A_v, factors.B_v, factors.B_o, factors.A_o)
         self.extra["vo_map_error"] = map_error
-        self.replace("v", _from_factors(v, factors.B_v, factors.A_v, accumulator, config), moment,
-                     method="joint_vo", map_error=map_error)
+        self.replace("v", _from_factors(v, factors.B_v, factors.A_v, accumulator, config, teacher_mean), moment,
+                     reference=W_v, method="joint_vo", map_error=map_error)
         # o's input is the attention mix: its bias is compensated with the mix mean, measured after v is set.
         o_accumulator = self.moments("o")
         o_moment = _centered(o_accumulator, o.bias is not None)
@@ -176,18 +217,18 @@ class _LatentLLMLayer:
         inputs, (down_name,) = self.adapter.linear_groups[-2], self.adapter.linear_groups[-1]
         wanted = [n for n in inputs if n in self.targets]
         if wanted:
-            accumulator = self.moments(inputs[0])
             if (self.config.joint_mlp and self.config.mlp_algorithm == "auxiliary" and down_name in self.targets
                     and len(wanted) == len(inputs) and self._auxiliary(inputs, down_name)):
                 return
+            statistics = self.statistics(inputs[0])
             for name in wanted:
-                self.local(name, accumulator)
+                self.local(name, statistics)
         if down_name not in self.targets:
             return
         if self.config.joint_mlp:
             self.streaming_down(inputs, down_name)
         else:
-            self.local(down_name, self.moments(down_name))
+            self.local(down_name, self.statistics(down_name))
 
     def streaming_down(self, inputs, down_name: str) -> None:
         """Down refitted to the compressed intermediate ĥ (``config.down_fit``, module docstring); with
@@ -198,26 +239,37 @@ class _LatentLLMLayer:
         compressed = {n: self.linear(n) for n in inputs}  # already replaced by their local fits
         activation = self.adapter.mlp_activation(self.layer)
         select = self.config.down_fit == "select"
-        folds = [_DownMoments(down.in_features, down.weight.device, keep_target=select)
+        folds = [DownFitMoments(down.in_features, down.weight.device, keep_target=select)
                  for _ in range(2 if select else 1)]
-        calls = []  # one entry per batch; the hook calls the hooked module itself: a "busy" last entry is that re-entry
+        kind = self.adapter.mlp_kind
 
-        def hook(_module, args, _output):
-            if calls and calls[-1] == "busy":
-                return
-            fold = folds[len(calls) % len(folds)]
-            calls.append("busy")
-            x = args[0].detach()
-            h = mlp_intermediate(self.adapter.mlp_kind, activation, {n: m(x) for n, m in originals.items()})
-            h_hat = mlp_intermediate(self.adapter.mlp_kind, activation, {n: m(x) for n, m in compressed.items()})
-            fold.update(h, h_hat)
-            calls[-1] = "done"
+        def update(batch: int, x_t: torch.Tensor, x_c: torch.Tensor) -> None:
+            """h = the original MLP's intermediate of x_t, ĥ = the compressed one's of x_c."""
+            h = mlp_intermediate(kind, activation, {n: m(x_t) for n, m in originals.items()})
+            h_hat = mlp_intermediate(kind, activation, {n: m(x_c) for n, m in compressed.items()})
+            folds[batch % len(folds)].update(h, h_hat)
 
-        handle = compressed[inputs[0]].register_forward_hook(hook)
-        try:
-            self.context.run()
-        finally:
-            handle.remove()
+        if self.teacher_target:  # x_t: the original model's MLP input of the same token
+            with torch.no_grad():
+                leader = {inputs[0]: compressed[inputs[0]]}
+                for batch, (inputs_t, inputs_c) in enumerate(self.context.paired_inputs(leader)):
+                    update(batch, inputs_t[inputs[0]], inputs_c[inputs[0]])
+        else:  # h and ĥ from the same input x_c
+            calls = []  # one entry per batch; the hook calls the hooked module itself: a "busy" entry is that re-entry
+
+            def hook(_module, args, _output):
+                if calls and calls[-1] == "busy":
+                    return
+                calls.append("busy")
+                x = args[0].detach()
+                update(len(calls) - 1, x, x)
+                calls[-1] = "done"
+
+            handle = compressed[inputs[0]].register_forward_hook(hook)
+            try:
+                self.context.run()
+            finally:
+                handle.remove()
         for fold in folds:  # totals over the processes' calibration shares
             self.context.synchronize(*fold.accumulators())
         has_bias = down.bias is not None
@@ -296,48 +348,6 @@ class _LatentLLMLayer:
             self.context.replace(name, replacement, entry(module, replacement, error, method="joint_mlp_auxiliary",
                                                           output_errors=result.output_errors))
         return True
-
-
-class _DownMoments:
-    """E[h ĥᵀ], E[ĥ ĥᵀ], the sum of h and, for held-out scoring, E[h hᵀ] of one set of calibration tokens."""
-
-    def __init__(self, width: int, device, keep_target: bool):
-        self.cross_accumulator = CrossMomentAccumulator(width, width, device=device)
-        self.hat_accumulator = SecondMomentAccumulator(width, device=device)
-        self.target_accumulator = SecondMomentAccumulator(width, device=device) if keep_target else None
-        self.sum_h = torch.zeros(width, dtype=torch.float64, device=device)
-
-    def update(self, h: torch.Tensor, h_hat: torch.Tensor) -> None:
-        self.cross_accumulator.update(h, h_hat)
-        self.hat_accumulator.update(h_hat)
-        if self.target_accumulator is not None:
-            self.target_accumulator.update(h)
-        self.sum_h += h.reshape(-1, h.shape[-1]).to(torch.float64).sum(0)
-
-    def accumulators(self) -> list:
-        kept = [self.cross_accumulator, self.hat_accumulator, self.sum_h]
-        return kept + ([self.target_accumulator] if self.target_accumulator is not None else [])
-
-    @property
-    def count(self) -> float:
-        return self.hat_accumulator.count
-
-    def merge(self, other: "_DownMoments") -> None:
-        self.cross_accumulator.merge(other.cross_accumulator)
-        self.hat_accumulator.merge(other.hat_accumulator)
-        if self.target_accumulator is not None:
-            self.target_accumulator.merge(other.target_accumulator)
-        self.sum_h += other.sum_h
-
-    def moments(self, centered: bool) -> SimpleNamespace:
-        """cross, hat, target (None unless kept), mean_h, mean_hat; centered (covariances) for a layer with a bias."""
-        mean_h, mean_hat = self.sum_h / self.count, self.hat_accumulator.mean
-        cross, hat = self.cross_accumulator.cross_moment, self.hat_accumulator.second_moment
-        target = self.target_accumulator.second_moment if self.target_accumulator is not None else None
-        if centered:
-            cross, hat = cross - torch.outer(mean_h, mean_hat), self.hat_accumulator.covariance()
-            target = self.target_accumulator.covariance() if target is not None else None
-        return SimpleNamespace(cross=cross, hat=hat, target=target, mean_h=mean_h, mean_hat=mean_hat)
 
 
 def _activation_name(activation) -> str | None:

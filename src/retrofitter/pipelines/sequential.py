@@ -152,10 +152,7 @@ class LayerContext:
                         CrossMomentAccumulator(m.in_features, m.in_features, device=_device(self.layer)),
                         torch.zeros(m.in_features, dtype=torch.float64, device=_device(self.layer)))
                  for name, m in modules.items()}
-        teacher_modules = {name: self.adapter.get_linear(self.teacher_layer, name) for name in modules}
-        for h_c, h_t, kwargs in zip(self.stream.hidden, self.teacher_stream.hidden, self.stream.layer_kwargs):
-            inputs_c = layer_inputs(self.layer, modules, h_c, kwargs)
-            inputs_t = layer_inputs(self.teacher_layer, teacher_modules, h_t, kwargs)
+        for inputs_t, inputs_c in self.paired_inputs(modules, count_pass=False):
             for name, (moment, cross, sum_t) in stats.items():
                 moment.update(inputs_c[name])
                 cross.update(inputs_t[name], inputs_c[name])
@@ -167,6 +164,19 @@ class LayerContext:
             self.synchronize(moment, cross, sum_t)
             result[name] = (moment, sum_t / cross.count, cross)
         return result
+
+    @torch.no_grad()
+    def paired_inputs(self, modules: dict[str, nn.Module], count_pass: bool = True):
+        """Per calibration batch ``(inputs_t, inputs_c)``: name -> input of each of ``modules`` (in this layer)
+        when the original layer runs on the teacher stream, and when this layer runs on the stream
+        (``statistics="teacher_target"``; the two are the same tokens)."""
+        if self.teacher_stream is None or self.teacher_layer is None:
+            raise ValueError("paired inputs need statistics='teacher_target' (the original model's stream)")
+        self.passes += int(count_pass)
+        teacher_modules = {name: self.adapter.get_linear(self.teacher_layer, name) for name in modules}
+        for h_c, h_t, kwargs in zip(self.stream.hidden, self.teacher_stream.hidden, self.stream.layer_kwargs):
+            yield (layer_inputs(self.teacher_layer, teacher_modules, h_t, kwargs),
+                   layer_inputs(self.layer, modules, h_c, kwargs))
 
     def run(self) -> None:
         """One pass of the layer over the stream, for the forward hooks the caller registered."""
