@@ -156,3 +156,22 @@ def test_svd_cache_across_ratios_gives_the_same_models():
         fresh, _ = compress_with_moments(build_tiny("opt"), config, moments)
         torch.testing.assert_close(_logits(cached, ids), _logits(fresh, ids), rtol=1e-6, atol=1e-6)
     assert len(cache) == 2 * 6  # one SVD per matrix, reused by the second ratio
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_default_fits_read_the_plans_statistics_and_equal_the_two_pass_loop(family, monkeypatch, tmp_path):
+    import retrofitter.pipelines.compress as compress_module
+
+    ids = calibration()
+    config = CompressConfig(ratio=0.3, batch_size=4)  # the default: teacher statistics, global fisher plan
+    assert compress_module.reuses_plan_statistics(config)
+    one_pass, report = compress_model(build_tiny(family), config, ids, progress=False,
+                                      checkpoint_dir=tmp_path / "work")
+    assert report["statistics_passes"] == 1 and all(layer["passes"] == 0 for layer in report["layers"])
+    assert list(tmp_path.iterdir()) == []  # the store and the work directory are gone
+    monkeypatch.setattr(compress_module, "reuses_plan_statistics", lambda *args, **kwargs: False)
+    two_pass, report = compress_model(build_tiny(family), config, ids, progress=False)
+    assert all(layer["passes"] == 1 for layer in report["layers"])
+    expected = two_pass.state_dict()
+    for key, tensor in one_pass.state_dict().items():
+        assert torch.equal(tensor, expected[key]), key  # the same sums, so the same factors bit for bit

@@ -135,6 +135,25 @@ class SecondMomentAccumulator:
         """Total weight Σ w (the number of rows when unweighted)."""
         return self._count
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The running sums as tensors (float64): ``weighted_sum`` [d], ``weighted_outer`` [d, d], ``count`` [1]."""
+        return {"weighted_sum": self._weighted_sum, "weighted_outer": self._weighted_outer,
+                "count": torch.tensor([self._count], dtype=torch.float64)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor],
+                        device: torch.device | str | None = None) -> "SecondMomentAccumulator":
+        """The accumulator whose sums are ``state`` (from :meth:`state_dict`), bit for bit."""
+        outer = state["weighted_outer"]
+        if outer.ndim != 2 or outer.shape[0] != outer.shape[1] or tuple(state["weighted_sum"].shape) != outer.shape[:1]:
+            raise ValueError(f"inconsistent moment state: sum {tuple(state['weighted_sum'].shape)}, "
+                             f"outer {tuple(outer.shape)}")
+        accumulator = cls(outer.shape[0], device=device)
+        accumulator._weighted_sum = state["weighted_sum"].to(accumulator.device, torch.float64).clone()
+        accumulator._weighted_outer = outer.to(accumulator.device, torch.float64).clone()
+        accumulator._count = float(state["count"].reshape(-1)[0])
+        return accumulator
+
     def _require_data(self) -> None:
         if self._count <= 0:
             raise ValueError("SecondMomentAccumulator is empty: call update() with at least one row first")

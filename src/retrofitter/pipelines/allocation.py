@@ -291,13 +291,14 @@ def uniform_plan(model: nn.Module, adapter, config: CompressConfig, targets: lis
 @torch.no_grad()
 def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: LayerStream,
                 targets: list[str], calibration: torch.Tensor | None = None,
-                parallel: DataParallel = SINGLE_PROCESS, forms=None) -> tuple[dict, dict]:
+                parallel: DataParallel = SINGLE_PROCESS, forms=None, keep_moments=None) -> tuple[dict, dict]:
     """One teacher pass over all layers → weighted spectra → greedy plan. Returns (plan, report).
 
     ``calibration`` (token blocks) is needed by the ``fisher`` weighting (its backward passes). With several
     processes (``parallel``, each with its share of the ``stream``) the moments and the gradient sums are
     all-reduced, so every process makes the plan of all the blocks. ``forms`` (a ``form_choice.FormChoice``):
-    the cost model of ``budget="latency"``.
+    the cost model of ``budget="latency"``. ``keep_moments(index, {name: accumulator})``, if given, receives
+    every layer's input moments of the targets (pipelines/moment_spill.py: the fits reuse them).
     """
     layers = adapter.decoder_layers(model)
     importance = {}
@@ -314,6 +315,8 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
         moments, stream = collect_input_moments(layer, stream, leaders, keep_outputs=True)  # one pass: both
         for accumulator in moments.values():
             accumulator.synchronize(parallel.all_reduce_sum)
+        if keep_moments is not None:
+            keep_moments(index, {name: moments[leader_of[name]] for name in targets})
         if scale is None:  # input energy of the first layer: a model-wide normalisation for "absolute"
             scale = float(torch.diagonal(next(iter(moments.values())).second_moment).sum())
         roots: dict = {}  # (leader, centered) -> damped root: one eigendecomposition per distinct input
@@ -386,25 +389,29 @@ def _keep_by_layer(items: dict, plan: dict, junction: bool) -> list[float]:
     return result
 
 
-def _uniform_planner(model, adapter, config, targets, calibration, parallel, forms=None):
+def _uniform_planner(model, adapter, config, targets, calibration, parallel, forms=None, keep_moments=None):
     return lambda _stream: (uniform_plan(model, adapter, config, targets), {"allocation": "uniform"})
 
 
-def _global_planner(model, adapter, config, targets, calibration, parallel, forms=None):
+def _global_planner(model, adapter, config, targets, calibration, parallel, forms=None, keep_moments=None):
     def plan(stream: LayerStream | None):
         if stream is None:
             raise ValueError("global allocation needs the calibration stream (or a plan computed beforehand)")
-        result, report = global_plan(model, adapter, config, stream, targets, calibration, parallel, forms)
+        result, report = global_plan(model, adapter, config, stream, targets, calibration, parallel, forms,
+                                     keep_moments)
         return result, {"allocation": "global", **report}
     return plan
 
 
-# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration, parallel, forms) -> Planner
+# CompressConfig.allocation -> planner factory (model, adapter, config, targets, calibration, parallel, forms,
+# keep_moments) -> Planner; only the global plan makes a statistics pass, so only it calls keep_moments
 RANK_PLANS: dict[str, Callable] = {"uniform": _uniform_planner, "global": _global_planner}
 
 
 def make_planner(model: nn.Module, adapter, config: CompressConfig, targets: list[str],
-                 calibration: torch.Tensor | None, parallel: DataParallel = SINGLE_PROCESS, forms=None):
+                 calibration: torch.Tensor | None, parallel: DataParallel = SINGLE_PROCESS, forms=None,
+                 keep_moments=None):
     """The planner of ``config.allocation``: called by the loop with the captured stream, returns (plan, report).
-    ``forms``: the cost model of ``budget="latency"`` (pipelines/form_choice.py)."""
-    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration, parallel, forms)
+    ``forms``: the cost model of ``budget="latency"`` (pipelines/form_choice.py); ``keep_moments``: see
+    :func:`global_plan`."""
+    return RANK_PLANS[config.allocation](model, adapter, config, targets, calibration, parallel, forms, keep_moments)

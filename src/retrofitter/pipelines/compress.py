@@ -13,6 +13,7 @@ weighted SVD (``svd_cache``).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,10 +27,11 @@ from .distributed import SINGLE_PROCESS, DataParallel
 from .form_choice import form_choice_for, forms_summary, needs_form_choice
 from .latentllm import LatentLLMStrategy
 from .local_svd import LocalSVDStrategy
+from .moment_spill import MomentSpill
 from .sequential import CalibrationError, run_sequential, target_names
 
 __all__ = ["STRATEGIES", "CalibrationError", "strategy_name", "compress_model", "collect_teacher_moments",
-           "compress_with_moments", "weighted_spectra_from_cache", "teacher_global_plan"]
+           "compress_with_moments", "weighted_spectra_from_cache", "teacher_global_plan", "reuses_plan_statistics"]
 
 # strategy name -> factory (config, svd_cache) -> LayerStrategy
 STRATEGIES = {
@@ -62,13 +64,32 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
             raise ValueError("--factor-forms fastest and --budget latency run in one process with the model in "
                              "memory (not with torchrun or out of core yet)")
         forms = form_choice_for(model, adapter, config, targets, progress)
-    planner = make_planner(model, adapter, config, targets, calibration, parallel, forms)
-    model, report = run_sequential(model, config, strategy, planner, calibration=calibration, progress=progress,
-                                   checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint,
-                                   offload=offload, parallel=parallel, forms=forms)
+    spill = None
+    if reuses_plan_statistics(config, parallel, offload, forms):  # one statistics pass instead of two
+        spill = MomentSpill(None if checkpoint_dir is None else Path(checkpoint_dir).parent,
+                            device=next(model.parameters()).device)
+    try:
+        planner = make_planner(model, adapter, config, targets, calibration, parallel, forms,
+                               keep_moments=None if spill is None else spill.put)
+        model, report = run_sequential(model, config, strategy, planner, calibration=calibration, progress=progress,
+                                       checkpoint_dir=checkpoint_dir, remove_checkpoint=remove_checkpoint,
+                                       offload=offload, parallel=parallel, forms=forms, precomputed=spill)
+    finally:
+        if spill is not None:
+            spill.close()
+    report["statistics_passes"] = 1 if spill is not None else None
     if forms is not None:
         report["factor_forms"] = forms_summary(report["layers"], forms)
     return model, report
+
+
+def reuses_plan_statistics(config: CompressConfig, parallel: DataParallel = SINGLE_PROCESS, offload=None,
+                           forms=None) -> bool:
+    """Whether the fits read the global plan's statistics (pipelines/moment_spill.py) instead of a second pass:
+    teacher statistics (the plan's pass sees exactly the fits' inputs), a local method, in one process with
+    the model in memory and the parameter budget's factor forms."""
+    return (strategy_name(config) == "local" and config.statistics == "teacher" and config.allocation == "global"
+            and not config.refit_within_layer and not parallel.active and offload is None and forms is None)
 
 
 @torch.no_grad()

@@ -17,17 +17,18 @@ from .resume import RunDirectory
 __all__ = ["save_layer_progress", "restore_layers"]
 
 
-def save_layer_progress(run_dir: RunDirectory, index: int, layer: nn.Module, stream: LayerStream,
+def save_layer_progress(run_dir: RunDirectory, index: int, layer: nn.Module, stream: LayerStream | None,
                         teacher_stream: LayerStream | None, reports: list) -> None:
     """After layer ``index``: its weights, the stream(s) leaving it and the reports so far."""
     run_dir.save_tensors(f"layer_{index}", layer.state_dict())
-    run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
+    if stream is not None:  # None: the fits read precomputed statistics
+        run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
     if teacher_stream is not None:
         run_dir.save_tensors("teacher_stream", {f"batch_{i}": h for i, h in enumerate(teacher_stream.hidden)})
     run_dir.save_progress({"layers_done": index + 1, "reports": reports})
 
 
-def restore_layers(run_dir: RunDirectory, model, adapter, stream: LayerStream, teacher_stream: LayerStream | None,
+def restore_layers(run_dir: RunDirectory, model, adapter, stream: LayerStream | None, teacher_stream: LayerStream | None,
                    config, load_weights: bool = True) -> tuple[int, list, LayerStream, LayerStream | None]:
     """Finished layers rebuilt from the work directory (their structure only, on the meta device, without
     ``load_weights``), and the stream(s) at the next boundary."""

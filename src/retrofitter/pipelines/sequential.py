@@ -267,8 +267,9 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                    parallel: DataParallel = SINGLE_PROCESS, forms=None) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place (module docstring); returns ``(model, report)``.
 
-    Give either ``calibration`` token blocks [n_blocks, seq_len] (the stream is captured and
-    propagated) or ``precomputed`` statistics (layer index -> projection name -> accumulator).
+    Give ``calibration`` token blocks [n_blocks, seq_len] (the stream is captured and propagated),
+    ``precomputed`` statistics (layer index -> projection name -> accumulator), or both: then the stream
+    serves the planner only (which may fill ``precomputed``, pipelines/moment_spill.py) and is dropped.
     ``checkpoint_dir`` makes the run resumable; it is removed when the run completes unless
     ``remove_checkpoint`` is False (a caller that saves the model removes it once the save is in place).
     ``offload``: ``model`` is on the meta device and each layer is read before its fit and freed after it
@@ -299,9 +300,12 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
     t0 = time.perf_counter()
     plan, plan_report = planner(stream)
     timings["allocation"] = time.perf_counter() - t0
+    calibrated = stream is not None
+    if precomputed is not None:
+        stream = None  # the fits read precomputed statistics: nothing flows through the layers any more
 
     run_dir, first, reports = None, 0, []
-    if checkpoint_dir is not None and stream is not None:
+    if checkpoint_dir is not None and calibrated:
         if parallel.active:  # each process resumes its own stream
             checkpoint_dir = f"{checkpoint_dir}/rank{parallel.rank}"
         run_dir = RunDirectory(checkpoint_dir, fingerprint(config.to_dict(), calibration,
