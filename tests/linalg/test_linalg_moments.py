@@ -9,9 +9,9 @@ from retrofitter.linalg.moments import CrossMomentAccumulator, SecondMomentAccum
 def test_streaming_equals_direct_and_merge():
     generator = torch.Generator().manual_seed(0)
     data = torch.randn(3, 7, 5, generator=generator, dtype=torch.float64) + 0.5
-    accumulator = SecondMomentAccumulator(5)
-    accumulator.update(data[0].float())  # dtype of input does not matter beyond its precision
-    other = SecondMomentAccumulator(5)
+    accumulator = SecondMomentAccumulator(5, product_dtype=torch.float64)
+    accumulator.update(data[0].float())  # float64 products: the input's dtype does not matter beyond its precision
+    other = SecondMomentAccumulator(5)  # float64 rows: float64 products by default
     other.update(data[1:])
     accumulator.merge(other)
     rows = torch.cat([data[0].float().double(), data[1:].reshape(-1, 5)])
@@ -69,3 +69,32 @@ def test_cross_moment():
     accumulator = CrossMomentAccumulator(3, 4)
     accumulator.update(a, b, weights=torch.ones(2, 5))
     torch.testing.assert_close(accumulator.cross_moment, a.reshape(-1, 3).T @ b.reshape(-1, 4) / 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float32_products_match_the_float64_reference(dtype):
+    """The default (each batch's XᵀX in float32, summed in float64) against float64 products, on rows with
+    a 1e3 dynamic range across channels (outlier features) and a large batch: relative error ≲ 1e-6."""
+    generator = torch.Generator().manual_seed(1)
+    scales = torch.logspace(-1.5, 1.5, 48, dtype=torch.float64)
+    batches = [(torch.randn(4096, 48, generator=generator, dtype=torch.float64) * scales + 0.3).to(dtype)
+               for _ in range(3)]
+    weights = (torch.rand(4096, generator=generator) > 0.2).float()
+    fast, reference = SecondMomentAccumulator(48), SecondMomentAccumulator(48, product_dtype=torch.float64)
+    cross_fast = CrossMomentAccumulator(48, 48)
+    cross_reference = CrossMomentAccumulator(48, 48, product_dtype=torch.float64)
+    for x in batches:
+        for accumulator in (fast, reference):
+            accumulator.update(x, weights=weights)
+        for accumulator in (cross_fast, cross_reference):
+            accumulator.update(x, x.flip(-1))
+    assert fast.count == reference.count
+    for got, want in ((fast.second_moment, reference.second_moment), (fast.mean, reference.mean),
+                      (cross_fast.cross_moment, cross_reference.cross_moment)):
+        assert got.dtype == torch.float64
+        assert float((got - want).norm() / want.norm()) < 2e-6
+    # each entry to its own scale: the small channels are not drowned by the large ones
+    diagonal = torch.diagonal(reference.second_moment)
+    assert float(((torch.diagonal(fast.second_moment) - diagonal) / diagonal).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="product_dtype"):
+        SecondMomentAccumulator(3, product_dtype=torch.float16)

@@ -165,9 +165,17 @@ def test_default_fits_read_the_plans_statistics_and_equal_the_two_pass_loop(fami
     ids = calibration()
     config = CompressConfig(ratio=0.3, batch_size=4)  # the default: teacher statistics, global fisher plan
     assert compress_module.reuses_plan_statistics(config)
-    one_pass, report = compress_model(build_tiny(family), config, ids, progress=False,
-                                      checkpoint_dir=tmp_path / "work")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the fits recomputed a preconditioner or an SVD the plan had made")
+
+    with monkeypatch.context() as patch:  # the fits only truncate the plan's weighted SVDs
+        patch.setattr("retrofitter.pipelines.local_svd.weighted_svd", refused)
+        patch.setattr("retrofitter.pipelines.local_svd.build_preconditioner", refused)
+        one_pass, report = compress_model(build_tiny(family), config, ids, progress=False,
+                                          checkpoint_dir=tmp_path / "work")
     assert report["statistics_passes"] == 1 and all(layer["passes"] == 0 for layer in report["layers"])
+    assert report["statistics_spill_bytes"] > 0
     assert list(tmp_path.iterdir()) == []  # the store and the work directory are gone
     monkeypatch.setattr(compress_module, "reuses_plan_statistics", lambda *args, **kwargs: False)
     two_pass, report = compress_model(build_tiny(family), config, ids, progress=False)

@@ -46,6 +46,7 @@ from ..eval.resources import release_free_heap_memory
 from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
+from ..linalg.svd import build_preconditioner, weighted_svd
 from .calibration import LayerStream, collect_input_moments
 from .distill import DistillationLoss
 from .distributed import SINGLE_PROCESS, DataParallel
@@ -297,8 +298,10 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
     ``calibration`` (token blocks) is needed by the ``fisher`` weighting (its backward passes). With several
     processes (``parallel``, each with its share of the ``stream``) the moments and the gradient sums are
     all-reduced, so every process makes the plan of all the blocks. ``forms`` (a ``form_choice.FormChoice``):
-    the cost model of ``budget="latency"``. ``keep_moments(index, {name: accumulator})``, if given, receives
-    every layer's input moments of the targets (pipelines/moment_spill.py: the fits reuse them).
+    the cost model of ``budget="latency"``. ``keep_moments(index, {name: accumulator}, {name: WeightedSVD})``,
+    if given, receives every layer's input moments of the targets (pipelines/moment_spill.py: the fits reuse
+    them) and, when the fits' preconditioner is rootcov (the plan's), each matrix's full weighted SVD, whose
+    singular values are the spectrum: the fits then only truncate it (otherwise the second mapping is empty).
     """
     layers = adapter.decoder_layers(model)
     importance = {}
@@ -315,10 +318,9 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
         moments, stream = collect_input_moments(layer, stream, leaders, keep_outputs=True)  # one pass: both
         for accumulator in moments.values():
             accumulator.synchronize(parallel.all_reduce_sum)
-        if keep_moments is not None:
-            keep_moments(index, {name: moments[leader_of[name]] for name in targets})
         if scale is None:  # input energy of the first layer: a model-wide normalisation for "absolute"
             scale = float(torch.diagonal(next(iter(moments.values())).second_moment).sum())
+        svds = {}  # name -> the full weighted SVD of W (damped C)^{1/2}, for the fits (keep_moments)
         roots: dict = {}  # (leader, centered) -> damped root: one eigendecomposition per distinct input
         for name in targets:
             linear = adapter.get_linear(layer, name)
@@ -326,11 +328,20 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
             centered = linear.bias is not None
             moment = accumulator.covariance() if centered else accumulator.second_moment
             key = (leader_of[name], centered)
-            if key not in roots:
-                roots[key] = damped_root(moment, config.damping)
-            items[(index, name)] = RankItem(linear.in_features, linear.out_features,
-                                            weighted_spectra(linear.weight, moment, config.damping, roots[key]),
+            if keep_moments is not None and config.preconditioner == "rootcov":
+                if key not in roots:  # the fit's own preconditioner (P, P⁺): the same computation, bit for bit
+                    roots[key] = build_preconditioner(moment, linear.in_features, "rootcov", config.damping,
+                                                      f"layer {index} {name}", linear.weight.device)
+                svds[name] = weighted_svd(linear.weight, moment, roots[key], name=f"layer {index} {name}")
+                energies = svds[name].S.pow(2)
+            else:
+                if key not in roots:
+                    roots[key] = damped_root(moment, config.damping)
+                energies = weighted_spectra(linear.weight, moment, config.damping, roots[key])
+            items[(index, name)] = RankItem(linear.in_features, linear.out_features, energies,
                                             importance.get((index, name), 1.0))
+        if keep_moments is not None:
+            keep_moments(index, {name: moments[leader_of[name]] for name in targets}, svds)
     return plan_from_items(items, config, scale or 1.0, importance, forms)
 
 

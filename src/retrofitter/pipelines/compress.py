@@ -57,7 +57,6 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
     """
     adapter = adapter_for(model)
     targets = target_names(adapter, config)
-    strategy = STRATEGIES[strategy_name(config)](config, None)
     forms = None
     if needs_form_choice(config):  # --factor-forms fastest / --budget latency: a cost model timed here (cached)
         if parallel.active or offload is not None:
@@ -68,6 +67,9 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
     if reuses_plan_statistics(config, parallel, offload, forms):  # one statistics pass instead of two
         spill = MomentSpill(None if checkpoint_dir is None else Path(checkpoint_dir).parent,
                             device=next(model.parameters()).device)
+    # with the spill, the fits truncate the weighted SVDs the plan computed for its spectra (rootcov)
+    strategy = (LocalSVDStrategy(known_svds=spill.weighted_svds) if spill is not None
+                else STRATEGIES[strategy_name(config)](config, None))
     try:
         planner = make_planner(model, adapter, config, targets, calibration, parallel, forms,
                                keep_moments=None if spill is None else spill.put)
@@ -78,6 +80,7 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
         if spill is not None:
             spill.close()
     report["statistics_passes"] = 1 if spill is not None else None
+    report["statistics_spill_bytes"] = spill.bytes_written if spill is not None else None  # temporary, on disk
     if forms is not None:
         report["factor_forms"] = forms_summary(report["layers"], forms)
     return model, report

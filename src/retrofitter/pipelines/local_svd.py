@@ -19,13 +19,14 @@ Where the statistics come from (``CompressConfig.refit_within_layer``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
 from ..linalg.moments import SecondMomentAccumulator
-from ..linalg.svd import bias_compensation, build_preconditioner, proxy_error, weighted_svd
+from ..linalg.svd import WeightedSVD, bias_compensation, build_preconditioner, proxy_error, weighted_svd
 from ..linalg.teacher_target import teacher_target_factors, teacher_target_map
 from ..modules.latent_linear import LatentLinear
 from .sequential import LayerContext
@@ -34,12 +35,14 @@ __all__ = ["LocalSVDStrategy", "fit_local", "fit_teacher_target", "entry"]
 
 
 def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumulator,
-              preconditioners: dict | None = None, svd_cache: dict | None = None, **extra) -> None:
+              preconditioners: dict | None = None, svd_cache: dict | None = None,
+              svd: WeightedSVD | None = None, **extra) -> None:
     """Replace projection ``name`` of the context's layer by its rank-``plan`` local fit on ``accumulator``.
 
     ``preconditioners`` (id(accumulator) -> (accumulator, P)) lets projections that share an input share one
     eigendecomposition; ``svd_cache`` ((layer, name, preconditioner, damping) -> full weighted SVD) lets
-    another ratio of the same model only truncate.
+    another ratio of the same model only truncate; ``svd``: this matrix's full weighted SVD on the same
+    statistics with ``config``'s preconditioner and damping, computed beforehand (the rank plan's).
     """
     config, linear = context.config, context.linear(name)
     rank = context.plan[(context.index, name)]
@@ -47,7 +50,8 @@ def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumul
     # centered statistics with a bias (the bias absorbs the mean), raw second moment without
     moment = accumulator.covariance() if has_bias else accumulator.second_moment
     key = (context.index, name, config.preconditioner, config.damping)
-    svd = svd_cache.get(key) if svd_cache is not None else None
+    if svd is None and svd_cache is not None:
+        svd = svd_cache.get(key)
     if svd is None:
         # keyed by id, holding the accumulator too: a freed accumulator's id could be reused
         _, shared = (preconditioners or {}).get(id(accumulator), (None, None))
@@ -110,11 +114,14 @@ class LocalSVDStrategy:
     """Per-layer strategy: every target gets its own activation-aware SVD (module docstring).
 
     ``svd_cache`` (optional dict, shared across runs on the same statistics) keeps each matrix's full
-    weighted SVD; used with one statistics pass, not with ``refit_within_layer``.
+    weighted SVD; used with one statistics pass, not with ``refit_within_layer``. ``known_svds`` (layer
+    index -> {name: full weighted SVD}, e.g. ``MomentSpill.weighted_svds``): SVDs made beforehand on the
+    precomputed statistics with this config's preconditioner, which the fits truncate.
     """
 
-    def __init__(self, svd_cache: dict | None = None):
+    def __init__(self, svd_cache: dict | None = None, known_svds: Callable[[int], dict] | None = None):
         self.svd_cache = svd_cache
+        self.known_svds = known_svds
 
     def fit_layer(self, context: LayerContext) -> None:
         adapter = context.adapter
@@ -123,8 +130,9 @@ class LocalSVDStrategy:
         groups = [(group, leader) for group, leader in zip(groups, (g[0] for g in adapter.linear_groups)) if group]
         preconditioners: dict = {}
         if context.precomputed is not None:  # layer index -> name -> accumulator, computed beforehand
+            known = self.known_svds(context.index) if self.known_svds is not None else {}
             context.fit_spread({name: partial(fit_local, context, name, context.precomputed[name], preconditioners,
-                                              self.svd_cache) for group, _ in groups for name in group})
+                                              self.svd_cache, known.get(name)) for group, _ in groups for name in group})
             return
         if context.config.statistics == "teacher_target":
             collect = context.paired_moments
