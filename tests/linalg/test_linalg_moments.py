@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from retrofitter.linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped
+from retrofitter.linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator, damped, symmetric_gram
 
 
 def test_streaming_equals_direct_and_merge():
@@ -98,3 +98,11 @@ def test_float32_products_match_the_float64_reference(dtype):
     assert float(((torch.diagonal(fast.second_moment) - diagonal) / diagonal).abs().max()) < 1e-5
     with pytest.raises(ValueError, match="product_dtype"):
         SecondMomentAccumulator(3, product_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("d, blocks", [(300, 4), (257, 3), (100, 4), (512, 1)])
+def test_symmetric_gram_equals_one_gemm_and_is_exactly_symmetric(d, blocks):
+    rows = torch.randn(700, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
+    gram = symmetric_gram(rows, blocks)
+    torch.testing.assert_close(gram, rows.T @ rows, rtol=1e-12, atol=1e-10)
+    assert torch.equal(gram, gram.T)

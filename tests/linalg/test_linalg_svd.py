@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from retrofitter.linalg.preconditioners import PRECONDITIONERS, make_preconditioner
-from retrofitter.linalg.svd import bias_compensation, proxy_error, rootcov_svd, weighted_low_rank
+from retrofitter.linalg.svd import (bias_compensation, output_side_svd, proxy_error, rootcov_svd, uses_output_side,
+                                    weighted_low_rank, weighted_svd)
 
 
 def _problem(seed=0, d_out=6, d_in=5, tokens=12):
@@ -124,3 +125,28 @@ def test_proxy_error_is_relative_activation_error():
     expected = float(((W - B @ A) @ X).pow(2).sum() / (W @ X).pow(2).sum())
     assert proxy_error(W, B, A, C) == pytest.approx(expected, rel=1e-10)
     assert proxy_error(W, torch.zeros(6, 1), torch.zeros(1, 5), C) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("d_out, d_in, rank_of_w", [(4, 9, 4), (6, 10, 3), (9, 9, 9)])
+def test_output_side_svd_equals_the_input_side_fit(d_out, d_in, rank_of_w):
+    """U_r U_rᵀ W from the eigenvectors of W C_λ Wᵀ is the rootcov optimum of every rank (float64), also
+    for a rank-deficient W, with the same spectrum and the same factors up to each component's sign."""
+    generator = torch.Generator().manual_seed(d_out * d_in + rank_of_w)
+    W = (torch.randn(d_out, rank_of_w, generator=generator, dtype=torch.float64)
+         @ torch.randn(rank_of_w, d_in, generator=generator, dtype=torch.float64))
+    X = torch.randn(d_in, 40, generator=generator, dtype=torch.float64) * torch.linspace(0.1, 3, d_in)[:, None]
+    C = X @ X.T / X.shape[1]
+    fast, reference = output_side_svd(W, C, damping=0.05), weighted_svd(W, C, "rootcov", damping=0.05)
+    torch.testing.assert_close(fast.S, reference.S, rtol=1e-9, atol=1e-7 * float(reference.S[0]))
+    for rank in range(1, min(d_out, d_in) + 1):
+        (B, A), (B_ref, A_ref) = fast.factors(rank), reference.factors(rank)
+        if rank <= rank_of_w:
+            torch.testing.assert_close(B @ A, B_ref @ A_ref, rtol=1e-8, atol=1e-9)
+            signs = torch.sign((B * B_ref).sum(0))  # each component up to its sign
+            torch.testing.assert_close(B * signs, B_ref, rtol=1e-7, atol=1e-8)
+        else:  # beyond W's rank nothing is left to fit: both reproduce W
+            torch.testing.assert_close(B @ A, W, rtol=1e-8, atol=1e-9)
+    assert uses_output_side(d_out, d_in, "rootcov", 0.01) == (d_out < d_in)
+    assert not uses_output_side(4, 9, "rootcov", 0.0) and not uses_output_side(4, 9, "cov", 0.01)
+    with pytest.raises(ValueError, match="damping > 0"):
+        output_side_svd(W, C, damping=0.0)

@@ -8,6 +8,11 @@ For P = C^{1/2} ("rootcov") this minimises the expected output error E‖(W − 
 exactly (Eckart–Young on W C^{1/2}). With a bias the optimal bias for fixed BA is
 b̂ = b + (W − BA) μ, and BA should then be fitted on the centered C0 = C − μ μᵀ.
 Everything runs in float64.
+
+Output side (:func:`output_side_svd`, rootcov with a damped, hence invertible, C): the left singular
+vectors of W C^{1/2} are the eigenvectors of the output covariance W C Wᵀ [d', d'] with eigenvalues S², and
+V P⁺ = S⁻¹ Uᵀ W P P⁻¹ = S⁻¹ Uᵀ W, so B A = U_r U_rᵀ W needs neither C^{1/2} nor an SVD: one d'×d'
+eigenproblem instead of a d×d one plus the SVD; the cheaper side when d' < d (k, v and down projections).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from .preconditioners import Preconditioner, make_preconditioner
 __all__ = [
     "weighted_low_rank",
     "weighted_svd",
+    "output_side_svd",
+    "uses_output_side",
     "WeightedSVD",
     "build_preconditioner",
     "rootcov_svd",
@@ -42,20 +49,20 @@ def check_rank(rank: int, out_features: int, in_features: int) -> None:
 
 @dataclass(frozen=True)
 class WeightedSVD:
-    """Full thin SVD of W P, from which the optimal factors of *every* rank follow by truncation.
+    """Full thin SVD U S V of W P, from which the optimal factors of *every* rank follow by truncation.
 
-    ``factors(r)`` = (U[:, :r] S[:r], V[:r] P⁺). Computing it once and truncating at several ranks
-    (several compression ratios of one model) costs one SVD instead of one per ratio.
+    ``A`` = V P⁺ [k, d]: row i is the input map of component i. ``factors(r)`` = (U[:, :r] S[:r], A[:r]).
+    Computing it once and truncating at several ranks (several compression ratios of one model) costs
+    one SVD instead of one per ratio.
     """
 
     U: torch.Tensor  # [d', k]
-    S: torch.Tensor  # [k]
-    Vh: torch.Tensor  # [k, d]
-    P_inv: torch.Tensor  # [d, d]
+    S: torch.Tensor  # [k], descending
+    A: torch.Tensor  # [k, d] = V P⁺
 
     def factors(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        check_rank(rank, self.U.shape[0], self.Vh.shape[1])
-        return self.U[:, :rank] * self.S[:rank], self.Vh[:rank] @ self.P_inv
+        check_rank(rank, self.U.shape[0], self.A.shape[1])
+        return self.U[:, :rank] * self.S[:rank], self.A[:rank]
 
 
 def weighted_svd(
@@ -79,7 +86,45 @@ def weighted_svd(
     else:
         precond = build_preconditioner(second_moment, W.shape[1], preconditioner, damping, name, weight.device)
     U, S, Vh = torch.linalg.svd(weight @ precond.P.to(weight.device), full_matrices=False)
-    return WeightedSVD(U, S, Vh, precond.P_inv.to(weight.device))
+    return WeightedSVD(U, S, Vh @ precond.P_inv.to(weight.device))
+
+
+def uses_output_side(out_features: int, in_features: int, preconditioner: str, damping: float) -> bool:
+    """Whether :func:`output_side_svd` gives this fit: rootcov with damping > 0 (C invertible, so V P⁺ = S⁻¹ Uᵀ W)
+    and fewer outputs than inputs (the d'×d' eigenproblem is the smaller one)."""
+    return preconditioner == "rootcov" and damping > 0 and out_features < in_features
+
+
+def output_side_svd(W: torch.Tensor, second_moment: torch.Tensor, damping: float = 1e-2,
+                    name: str = "matrix") -> WeightedSVD:
+    """The rootcov :func:`weighted_svd` of W [d', d] from the output covariance (module docstring), float64:
+
+        W C_λ Wᵀ = U S² Uᵀ  (eigh, descending),   A = S⁻¹ Uᵀ W  [k, d],   C_λ = C + λ·mean(diag C)·I
+
+    with k = min(d', d) components; those with S² at or below d'·eps·S²_max (W rank-deficient: U_iᵀ W = 0)
+    get S_i = 0 and A_i = 0. Singular values come out to an absolute ~√eps·S_max (those of
+    :func:`weighted_svd` to eps·S_max): the same factors for every rank that has signal. Needs ``damping`` > 0 (C_λ invertible); the factors equal :func:`weighted_svd`'s up to the
+    sign of each component.
+    """
+    if damping <= 0:
+        raise ValueError("output_side_svd needs damping > 0 (an invertible damped second moment)")
+    weight = W.detach().to(torch.float64)
+    check_finite_matrix(weight, f"{name} (weight)")
+    if tuple(second_moment.shape) != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"second moment shape {tuple(second_moment.shape)} does not match W's input dim "
+                         f"{weight.shape[1]}")
+    moment = second_moment.detach().to(device=weight.device, dtype=torch.float64)
+    check_finite_matrix(moment, f"{name} (second moment)")
+    output_covariance = weight @ damped(moment, damping) @ weight.T  # [d', d']
+    eigenvalues, eigenvectors = torch.linalg.eigh((output_covariance + output_covariance.T) / 2)  # ascending
+    k = min(weight.shape)
+    energies = eigenvalues.flip(0)[:k]  # S² [k], descending
+    # eigh resolves S² to d'·eps·S²_max: below that a component is W's null space (S = 0, A_i = 0)
+    kept = energies > energies.max().clamp_min(0.0) * weight.shape[0] * torch.finfo(torch.float64).eps
+    S = torch.where(kept, energies, torch.zeros_like(energies)).sqrt()
+    U = eigenvectors.flip(1)[:, :k]  # [d', k]
+    inverse = torch.where(kept, 1.0 / torch.where(kept, S, torch.ones_like(S)), torch.zeros_like(S))
+    return WeightedSVD(U, S, inverse[:, None] * (U.T @ weight))
 
 
 def build_preconditioner(second_moment: torch.Tensor | None, in_features: int, preconditioner: str = "rootcov",

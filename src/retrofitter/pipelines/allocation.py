@@ -46,7 +46,7 @@ from ..eval.resources import release_free_heap_memory
 from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
-from ..linalg.svd import build_preconditioner, weighted_svd
+from ..linalg.svd import build_preconditioner, output_side_svd, uses_output_side, weighted_svd
 from .calibration import LayerStream, collect_input_moments
 from .distill import DistillationLoss
 from .distributed import SINGLE_PROCESS, DataParallel
@@ -328,11 +328,18 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
             centered = linear.bias is not None
             moment = accumulator.covariance() if centered else accumulator.second_moment
             key = (leader_of[name], centered)
-            if keep_moments is not None and config.preconditioner == "rootcov":
+            where = f"layer {index} {name}"
+            keep_svd = keep_moments is not None and config.preconditioner == "rootcov"  # the fits' own SVD
+            if uses_output_side(linear.out_features, linear.in_features, "rootcov", config.damping):
+                svd = output_side_svd(linear.weight, moment, config.damping, where)  # d' < d: no d×d root
+                energies = svd.S.pow(2)
+                if keep_svd:
+                    svds[name] = svd
+            elif keep_svd:
                 if key not in roots:  # the fit's own preconditioner (P, P⁺): the same computation, bit for bit
-                    roots[key] = build_preconditioner(moment, linear.in_features, "rootcov", config.damping,
-                                                      f"layer {index} {name}", linear.weight.device)
-                svds[name] = weighted_svd(linear.weight, moment, roots[key], name=f"layer {index} {name}")
+                    roots[key] = build_preconditioner(moment, linear.in_features, "rootcov", config.damping, where,
+                                                      linear.weight.device)
+                svds[name] = weighted_svd(linear.weight, moment, roots[key], name=where)
                 energies = svds[name].S.pow(2)
             else:
                 if key not in roots:
@@ -342,6 +349,8 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
                                             importance.get((index, name), 1.0))
         if keep_moments is not None:
             keep_moments(index, {name: moments[leader_of[name]] for name in targets}, svds)
+        del moments, svds, roots
+        release_free_heap_memory()  # this layer's float64 temporaries: back to the OS before the next layer's
     return plan_from_items(items, config, scale or 1.0, importance, forms)
 
 

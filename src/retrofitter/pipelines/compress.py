@@ -155,7 +155,7 @@ def weighted_spectra_from_cache(model: nn.Module, config: CompressConfig, svd_ca
                 raise KeyError(f"no cached SVD for layer {index} {name!r} ({config.preconditioner}, damping "
                                f"{config.damping}); run compress_with_moments with this svd_cache first")
             svd = svd_cache[key]
-            items[(index, name)] = RankItem(svd.Vh.shape[1], svd.U.shape[0], svd.S.pow(2))
+            items[(index, name)] = RankItem(svd.A.shape[1], svd.U.shape[0], svd.S.pow(2))
     return items
 
 

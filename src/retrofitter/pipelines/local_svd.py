@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..linalg.moments import SecondMomentAccumulator
-from ..linalg.svd import WeightedSVD, bias_compensation, build_preconditioner, proxy_error, weighted_svd
+from ..linalg.svd import (WeightedSVD, bias_compensation, build_preconditioner, output_side_svd, proxy_error,
+                          uses_output_side, weighted_svd)
 from ..linalg.teacher_target import teacher_target_factors, teacher_target_map
 from ..modules.latent_linear import LatentLinear
 from .sequential import LayerContext
@@ -52,6 +53,11 @@ def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumul
     key = (context.index, name, config.preconditioner, config.damping)
     if svd is None and svd_cache is not None:
         svd = svd_cache.get(key)
+    if svd is None and uses_output_side(linear.out_features, linear.in_features, config.preconditioner,
+                                        config.damping):
+        svd = output_side_svd(linear.weight, moment, config.damping, context.where(name))  # no d×d root needed
+        if svd_cache is not None:
+            svd_cache[key] = svd
     if svd is None:
         # keyed by id, holding the accumulator too: a freed accumulator's id could be reused
         _, shared = (preconditioners or {}).get(id(accumulator), (None, None))

@@ -15,10 +15,10 @@ safetensors file as soon as the plan pass leaves that layer and come back when t
 The files hold the running sums bit for bit (``SecondMomentAccumulator.state_dict``), so the fits equal
 those of the two-pass loop exactly. Projections sharing an input share one file entry.
 
-The plan may also hand over each matrix's full weighted SVD (``linalg.svd.WeightedSVD``: U, S, Vh and the
-preconditioner's P⁺, shared by the projections of one input), which it computed for the spectrum anyway;
-``weighted_svds(l)`` reads them back, so the fits only truncate (no second eigendecomposition or SVD).
-On disk that is about 4× a layer's fp32 weights in float64 beside the moments, one layer file at a time.
+The plan may also hand over each matrix's full weighted SVD (``linalg.svd.WeightedSVD``: U, S and A = V P⁺),
+which it computed for the spectrum anyway; ``weighted_svds(l)`` reads them back, so the fits only truncate
+(no second eigendecomposition or SVD). On disk that is about 2–4× a layer's fp32 weights in float64 beside
+the moments, one file per layer.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ class MomentSpill(Mapping):
     def put(self, index: int, moments: dict[str, SecondMomentAccumulator],
             svds: dict[str, WeightedSVD] | None = None) -> None:
         """Write layer ``index``'s moments (projection name -> accumulator; names sharing an accumulator
-        share its entry), after checking they are finite, and the weighted SVDs ``svds`` (name -> SVD; one
-        P⁺ entry per distinct tensor)."""
+        share its entry), after checking they are finite, and the weighted SVDs ``svds`` (name -> SVD)."""
         keys: dict[int, str] = {}  # id(accumulator) -> file key
         names: dict[str, str] = {}  # projection name -> file key
         tensors = {}
@@ -68,18 +67,12 @@ class MomentSpill(Mapping):
                 keys[id(accumulator)] = key = str(len(keys))
                 tensors.update({f"{key}.{field}": t for field, t in accumulator.state_dict().items()})
             names[name] = keys[id(accumulator)]
-        inverse_keys: dict[int, str] = {}  # id(P⁺) -> file key
-        svd_names: dict[str, str] = {}  # projection name -> its P⁺ key
         for name, svd in (svds or {}).items():
-            if id(svd.P_inv) not in inverse_keys:
-                inverse_keys[id(svd.P_inv)] = f"p_inv.{len(inverse_keys)}"
-                tensors[inverse_keys[id(svd.P_inv)]] = svd.P_inv
-            svd_names[name] = inverse_keys[id(svd.P_inv)]
-            tensors.update({f"svd.{name}.U": svd.U, f"svd.{name}.S": svd.S, f"svd.{name}.Vh": svd.Vh})
+            tensors.update({f"svd.{name}.U": svd.U, f"svd.{name}.S": svd.S, f"svd.{name}.A": svd.A})
         target = self._file(index)
         tmp = target.with_name(f".{target.name}.tmp")
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-                  metadata={"names": json.dumps(names), "svds": json.dumps(svd_names)})
+                  metadata={"names": json.dumps(names), "svds": json.dumps(sorted(svds or {}))})
         tmp.replace(target)
         self.bytes_written += target.stat().st_size
         self._layers.add(index)
@@ -96,15 +89,13 @@ class MomentSpill(Mapping):
         return {name: loaded[key] for name, key in names.items()}
 
     def weighted_svds(self, index: int) -> dict[str, WeightedSVD]:
-        """Layer ``index``'s weighted SVDs as put (name -> SVD; projections of one input share P⁺), or {}."""
+        """Layer ``index``'s weighted SVDs as put (name -> SVD), or {}."""
         if index not in self._layers:
             raise KeyError(f"no teacher moments stored for layer {index}")
         with safe_open(str(self._file(index)), framework="pt", device="cpu") as handle:
-            svd_names = json.loads(handle.metadata().get("svds", "{}"))
-            inverses = {key: handle.get_tensor(key).to(self.device) for key in set(svd_names.values())}
             return {name: WeightedSVD(*(handle.get_tensor(f"svd.{name}.{part}").to(self.device)
-                                        for part in ("U", "S", "Vh")), inverses[key])
-                    for name, key in svd_names.items()}
+                                        for part in ("U", "S", "A")))
+                    for name in json.loads(handle.metadata().get("svds", "[]"))}
 
     def __iter__(self):
         return iter(sorted(self._layers))
