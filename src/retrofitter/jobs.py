@@ -116,6 +116,7 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
     results["cost"] = {"peak_rss_over_fp32_model": compress_memory["peak_mb"] / fp32_mb, "fp32_model_mb": fp32_mb,
                        "rss_mb": {**memory, "after_capture": report["rss_after_capture_mb"],
                                   "after_each_layer": [r["rss_mb"] for r in report["layers"]]}}
+    results["cost"]["statistics_spill_bytes"] = report.get("statistics_spill_bytes")  # temporary disk, if any
     if measure_cost:
         results["cost"]["compress_over_calibration_forward"] = timings["compress"] / timings["calibration_forward"]
     results["allocation"] = report["allocation"]
