@@ -69,12 +69,13 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
 def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, seq_len, overwrite, measure_cost,
               dtype, device, progress, heal_config=None, parallel=SINGLE_PROCESS) -> dict:
     timings = {}
+    floor_mb = current_rss_mb()  # interpreter and libraries, before the model: the floor of the RSS ratio
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
     calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
     before = account(model)
-    memory = {"after_load": current_rss_mb()}
+    memory = {"before_load": floor_mb, "after_load": current_rss_mb()}
     if measure_cost:  # one plain forward over the calibration tokens: the unit of the cost ratio
         t0 = time.perf_counter()
         perplexity(model, calibration, batch_size=config.batch_size, progress=False)
@@ -114,6 +115,7 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
     fp32_mb = before.params_total * 4 / 2**20
     results["compress_peak_rss_mb"] = compress_memory["peak_mb"]
     results["cost"] = {"peak_rss_over_fp32_model": compress_memory["peak_mb"] / fp32_mb, "fp32_model_mb": fp32_mb,
+                       "peak_rss_above_floor_over_fp32_model": (compress_memory["peak_mb"] - floor_mb) / fp32_mb,
                        "rss_mb": {**memory, "after_capture": report["rss_after_capture_mb"],
                                   "after_each_layer": [r["rss_mb"] for r in report["layers"]]}}
     results["cost"]["statistics_spill_bytes"] = report.get("statistics_spill_bytes")  # temporary disk, if any

@@ -21,7 +21,8 @@ def _result(method, ratio, ppl_wiki, ppl_austen, total, cost=False):
               "timings_s": {"eval_wiki-eval": 12.5}, "peak_rss_mb": 900.0}
     if cost:
         result["timings_s"].update({"compress": 300.0, "calibration_forward": 20.0})
-        result["cost"] = {"peak_rss_over_fp32_model": 2.5, "compress_over_calibration_forward": 15.0}
+        result["cost"] = {"peak_rss_over_fp32_model": 2.5, "compress_over_calibration_forward": 15.0,
+                          "peak_rss_above_floor_over_fp32_model": 1.75}
         result["compress_peak_rss_mb"] = 1290.0
         result["reduction"] = {"linear": ratio, "total": ratio * 0.8}
     return result
@@ -90,7 +91,7 @@ def test_report_writes_markdown_with_tables_and_all_plots(run_dir, tmp_path):
     assert "| asvd-0.3 | decode tok/s @ 1024 |" in text  # the bench table, contexts in numeric order:
     assert text.index("| original | decode tok/s @ 256 |") < text.index("| original | decode tok/s @ 1024 |")
     assert "skipped 4096" in text
-    assert "15.0×" in text and "2.50×" in text  # compression cost figures
+    assert "15.0×" in text and "2.50×" in text and "1.75×" in text  # compression cost figures
     assert "Test CPU" in text and "Generated " in text
     assert "config.json: neither a results nor a bench JSON" in text
 

@@ -74,7 +74,7 @@ def _seconds(value) -> str:
 def format_cost_table(results: list[dict]) -> str:
     """Compression cost of every result that has one (``compress --measure-cost``), as Markdown."""
     header = ["model", "method", "ratio", "compress (s)", "calibration forward (s)", "compress / forward",
-              "compress peak RSS (MiB)", "peak RSS / fp32 model"]
+              "compress peak RSS (MiB)", "peak RSS / fp32 model", "above the import floor / fp32 model"]
     rows = []
     for r in results:
         cost, timings = r.get("cost"), r.get("timings_s", {})
@@ -82,11 +82,13 @@ def format_cost_table(results: list[dict]) -> str:
             continue
         ratio = cost.get("compress_over_calibration_forward")
         over_model = cost.get("peak_rss_over_fp32_model")
+        above_floor = cost.get("peak_rss_above_floor_over_fp32_model")
         rows.append([str(r.get("model", "")), str(r.get("method", "")), _ratio_text(r),
                      _seconds(timings.get("compress")), _seconds(timings.get("calibration_forward")),
                      "-" if ratio is None else f"{ratio:.1f}×",
                      "-" if r.get("compress_peak_rss_mb") is None else f"{r['compress_peak_rss_mb']:.0f}",
-                     "-" if over_model is None else f"{over_model:.2f}×"])
+                     "-" if over_model is None else f"{over_model:.2f}×",
+                     "-" if above_floor is None else f"{above_floor:.2f}×"])
     if not rows:
         return ""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
