@@ -139,11 +139,10 @@ class SecondMomentAccumulator:
         if rows.shape[0] == 0:
             return
         weighted_rows = rows if row_weights is None else rows * row_weights[:, None]
+        self._weighted_sum += weighted_rows.sum(0)  # this batch's sum in the product dtype, added in float64
         if dtype == torch.float64:
-            self._weighted_sum += weighted_rows.sum(0)
             self._weighted_outer.addmm_(weighted_rows.T, rows)
-        else:  # this batch's sums and products in float32, added into the float64 sums
-            self._weighted_sum += weighted_rows.sum(0)
+        else:  # this batch's products in float32, added into the float64 sum
             self._weighted_outer += symmetric_gram(rows) if row_weights is None else weighted_rows.T @ rows
         self._count += float(rows.shape[0]) if row_weights is None else float(row_weights.sum(dtype=torch.float64))
 
