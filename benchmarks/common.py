@@ -5,11 +5,19 @@ Benchmarks use the public API (``retrofitter.api``) and this module; they import
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from retrofitter.api import evaluation_blocks
 from retrofitter.eval.bench import machine_info
 from retrofitter.eval.perplexity import perplexity
 
-__all__ = ["eval_blocks", "perplexities", "machine_info"]
+__all__ = ["eval_blocks", "perplexities", "machine_info", "output_path"]
+
+
+def output_path(prefix: Path, extension: str) -> Path:
+    """``prefix`` + ``extension`` (``runs/heal-lr2.5e-4`` -> ``runs/heal-lr2.5e-4.json``): unlike
+    ``Path.with_suffix``, a dot inside the prefix (a learning rate, a ratio) is kept."""
+    return prefix.with_name(prefix.name + extension)
 
 
 def eval_blocks(tokenizer, corpora, seq_len: int, max_tokens: int | None) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common import eval_blocks, machine_info, perplexities
+from common import eval_blocks, machine_info, output_path, perplexities
 from retrofitter.api import compress, heal, load, load_model, save, write_json
 from retrofitter.config import CompressConfig, HealConfig
 from retrofitter.data.blocks import token_blocks
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     # teacher_target is the best training-free fit but ~10x the compression time for ~1 % perplexity
     compress_config = CompressConfig(ratio=args.ratio, statistics=args.statistics)
     corpora = [c for c in args.corpora.split(",") if c]
-    json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
+    json_path, md_path = output_path(args.out, ".json"), output_path(args.out, ".md")
     original, tokenizer = load_model(args.model)
     blocks = eval_blocks(tokenizer, corpora, args.seq_len, args.eval_tokens)
     results = {"model": args.model, "compress": compress_config.to_dict(), "heal_config": heal_config.to_dict(),

@@ -82,6 +82,10 @@ def test_compress_save_load_eval_round_trip(workspace):
     # session the heap freed during compression can make the difference small or negative
     assert isinstance(cost["peak_rss_above_floor_over_fp32_model"], float)
     assert cost["peak_rss_above_floor_over_fp32_model"] < cost["peak_rss_over_fp32_model"]
+    floor = cost["rss_mb"]["before_load"]
+    assert floor > 0  # the process before the model was loaded
+    assert abs(cost["peak_rss_above_floor_over_fp32_model"]
+               - (data["compress_peak_rss_mb"] - floor) / cost["fp32_model_mb"]) < 1e-9
     assert (out / "retrofitter.json").exists() and (out / "model.safetensors").exists()
     assert not list(out.glob("*.bin")) and not list(out.glob("*.pt"))
 

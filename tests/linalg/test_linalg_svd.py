@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from retrofitter.linalg.preconditioners import PRECONDITIONERS, make_preconditioner
-from retrofitter.linalg.svd import (bias_compensation, output_side_svd, proxy_error, rootcov_svd, uses_output_side,
+from retrofitter.linalg.svd import (bias_compensation, cheapest_weighted_svd, output_side_svd, proxy_error, rootcov_svd, uses_output_side,
                                     weighted_low_rank, weighted_svd)
+from retrofitter.linalg.svd import build_preconditioner
 
 
 def _problem(seed=0, d_out=6, d_in=5, tokens=12):
@@ -150,3 +151,23 @@ def test_output_side_svd_equals_the_input_side_fit(d_out, d_in, rank_of_w):
     assert not uses_output_side(4, 9, "rootcov", 0.0) and not uses_output_side(4, 9, "cov", 0.01)
     with pytest.raises(ValueError, match="damping > 0"):
         output_side_svd(W, C, damping=0.0)
+
+
+def test_cheapest_weighted_svd_builds_the_input_preconditioner_only_when_it_is_the_route():
+    generator = torch.Generator().manual_seed(11)
+    X = torch.randn(8, 50, generator=generator, dtype=torch.float64)
+    C = X @ X.T / X.shape[1]
+    calls = []
+
+    def shared():
+        calls.append(1)
+        return build_preconditioner(C, 8, "rootcov", 0.01)
+
+    wide_out, wide_in = (torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in ((12, 8), (3, 8)))
+    for W, expected_calls in ((wide_in, 0), (wide_out, 1)):  # d' < d: output side, no P; d' > d: W P
+        svd = cheapest_weighted_svd(W, C, "rootcov", 0.01, shared)
+        assert len(calls) == expected_calls
+        reference = weighted_svd(W, C, "rootcov", damping=0.01)
+        B, A = svd.factors(2)
+        B_ref, A_ref = reference.factors(2)
+        torch.testing.assert_close(B @ A, B_ref @ A_ref, rtol=1e-8, atol=1e-10)

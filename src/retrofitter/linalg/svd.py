@@ -17,6 +17,7 @@ eigenproblem instead of a d×d one plus the SVD; the cheaper side when d' < d (k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "weighted_svd",
     "output_side_svd",
     "uses_output_side",
+    "cheapest_weighted_svd",
     "WeightedSVD",
     "build_preconditioner",
     "rootcov_svd",
@@ -95,6 +97,16 @@ def uses_output_side(out_features: int, in_features: int, preconditioner: str, d
     return preconditioner == "rootcov" and damping > 0 and out_features < in_features
 
 
+def cheapest_weighted_svd(W: torch.Tensor, second_moment: torch.Tensor, preconditioner: str, damping: float,
+                          shared_preconditioner: Callable[[], Preconditioner], name: str = "matrix") -> WeightedSVD:
+    """:func:`weighted_svd` of W [d', d] on ``second_moment`` [d, d] by the cheaper route: :func:`output_side_svd`
+    where :func:`uses_output_side`, else the SVD of W P with P from ``shared_preconditioner()`` (called only
+    then; callers pass one that builds P once per input and shares it between that input's projections)."""
+    if uses_output_side(W.shape[0], W.shape[1], preconditioner, damping):
+        return output_side_svd(W, second_moment, damping, name)
+    return weighted_svd(W, second_moment, shared_preconditioner(), name=name)
+
+
 def output_side_svd(W: torch.Tensor, second_moment: torch.Tensor, damping: float = 1e-2,
                     name: str = "matrix") -> WeightedSVD:
     """The rootcov :func:`weighted_svd` of W [d', d] from the output covariance (module docstring), float64:
@@ -103,8 +115,8 @@ def output_side_svd(W: torch.Tensor, second_moment: torch.Tensor, damping: float
 
     with k = min(d', d) components; those with S² at or below d'·eps·S²_max (W rank-deficient: U_iᵀ W = 0)
     get S_i = 0 and A_i = 0. Singular values come out to an absolute ~√eps·S_max (those of
-    :func:`weighted_svd` to eps·S_max): the same factors for every rank that has signal. Needs ``damping`` > 0 (C_λ invertible); the factors equal :func:`weighted_svd`'s up to the
-    sign of each component.
+    :func:`weighted_svd` to eps·S_max): the same factors for every rank that has signal. Needs ``damping``
+    > 0 (C_λ invertible); the factors equal :func:`weighted_svd`'s up to the sign of each component.
     """
     if damping <= 0:
         raise ValueError("output_side_svd needs damping > 0 (an invertible damped second moment)")

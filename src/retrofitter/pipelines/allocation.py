@@ -46,7 +46,7 @@ from ..eval.resources import release_free_heap_memory
 from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
 from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
-from ..linalg.svd import build_preconditioner, output_side_svd, uses_output_side, weighted_svd
+from ..linalg.svd import build_preconditioner, cheapest_weighted_svd, output_side_svd, uses_output_side
 from .calibration import LayerStream, collect_input_moments
 from .distill import DistillationLoss
 from .distributed import SINGLE_PROCESS, DataParallel
@@ -329,18 +329,18 @@ def global_plan(model: nn.Module, adapter, config: CompressConfig, stream: Layer
             moment = accumulator.covariance() if centered else accumulator.second_moment
             key = (leader_of[name], centered)
             where = f"layer {index} {name}"
-            keep_svd = keep_moments is not None and config.preconditioner == "rootcov"  # the fits' own SVD
-            if uses_output_side(linear.out_features, linear.in_features, "rootcov", config.damping):
-                svd = output_side_svd(linear.weight, moment, config.damping, where)  # d' < d: no d×d root
-                energies = svd.S.pow(2)
-                if keep_svd:
-                    svds[name] = svd
-            elif keep_svd:
-                if key not in roots:  # the fit's own preconditioner (P, P⁺): the same computation, bit for bit
-                    roots[key] = build_preconditioner(moment, linear.in_features, "rootcov", config.damping, where,
-                                                      linear.weight.device)
-                svds[name] = weighted_svd(linear.weight, moment, roots[key], name=where)
+            if keep_moments is not None and config.preconditioner == "rootcov":  # the fits' own SVD, kept
+                def shared_root(key=key, moment=moment, linear=linear, where=where):  # (P, P⁺) once per input
+                    if key not in roots:  # the fit's own computation, bit for bit
+                        roots[key] = build_preconditioner(moment, linear.in_features, "rootcov", config.damping,
+                                                          where, linear.weight.device)
+                    return roots[key]
+
+                svds[name] = cheapest_weighted_svd(linear.weight, moment, "rootcov", config.damping, shared_root,
+                                                   where)
                 energies = svds[name].S.pow(2)
+            elif uses_output_side(linear.out_features, linear.in_features, "rootcov", config.damping):
+                energies = output_side_svd(linear.weight, moment, config.damping, where).S.pow(2)  # no d×d root
             else:
                 if key not in roots:
                     roots[key] = damped_root(moment, config.damping)

@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from ..linalg.moments import SecondMomentAccumulator
-from ..linalg.svd import (WeightedSVD, bias_compensation, build_preconditioner, output_side_svd, proxy_error,
-                          uses_output_side, weighted_svd)
+from ..linalg.svd import WeightedSVD, bias_compensation, build_preconditioner, cheapest_weighted_svd, proxy_error
 from ..linalg.teacher_target import teacher_target_factors, teacher_target_map
 from ..modules.latent_linear import LatentLinear
 from .sequential import LayerContext
@@ -53,20 +52,19 @@ def fit_local(context: LayerContext, name: str, accumulator: SecondMomentAccumul
     key = (context.index, name, config.preconditioner, config.damping)
     if svd is None and svd_cache is not None:
         svd = svd_cache.get(key)
-    if svd is None and uses_output_side(linear.out_features, linear.in_features, config.preconditioner,
-                                        config.damping):
-        svd = output_side_svd(linear.weight, moment, config.damping, context.where(name))  # no d×d root needed
-        if svd_cache is not None:
-            svd_cache[key] = svd
     if svd is None:
-        # keyed by id, holding the accumulator too: a freed accumulator's id could be reused
-        _, shared = (preconditioners or {}).get(id(accumulator), (None, None))
-        if shared is None:
-            shared = build_preconditioner(moment, linear.in_features, config.preconditioner, config.damping,
-                                          context.where(name), linear.weight.device)
-            if preconditioners is not None:
-                preconditioners[id(accumulator)] = (accumulator, shared)
-        svd = weighted_svd(linear.weight, moment, shared, name=context.where(name))
+        def shared_preconditioner():  # one eigendecomposition per input, shared by its projections
+            # keyed by id, holding the accumulator too: a freed accumulator's id could be reused
+            _, shared = (preconditioners or {}).get(id(accumulator), (None, None))
+            if shared is None:
+                shared = build_preconditioner(moment, linear.in_features, config.preconditioner, config.damping,
+                                              context.where(name), linear.weight.device)
+                if preconditioners is not None:
+                    preconditioners[id(accumulator)] = (accumulator, shared)
+            return shared
+
+        svd = cheapest_weighted_svd(linear.weight, moment, config.preconditioner, config.damping,
+                                    shared_preconditioner, context.where(name))
         if svd_cache is not None:
             svd_cache[key] = svd
     B, A = svd.factors(rank)
