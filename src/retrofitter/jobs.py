@@ -69,7 +69,9 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
 def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, seq_len, overwrite, measure_cost,
               dtype, device, progress, heal_config=None, parallel=SINGLE_PROCESS) -> dict:
     timings = {}
-    floor_mb = current_rss_mb()  # interpreter and libraries, before the model: the floor of the RSS ratio
+    # RSS before the model is loaded (interpreter, torch): the floor of the above-floor ratio; the model code
+    # and the tokenizer transformers loads lazily (~175 MiB for SmolLM2) count above it
+    floor_mb = current_rss_mb()
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
