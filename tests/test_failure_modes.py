@@ -34,6 +34,8 @@ def base(tmp_path_factory):
     compressed = root / "compressed"
     assert main(["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
                  "--seq-len", "32", "--out", str(compressed), "--no-eval", "--quiet"]) == 0
+    save_tiny_model_dir(root / "other-architecture", "qwen2")  # the same vocabulary, another family
+    _smaller_vocabulary(_copy(model_dir, root / "other-vocabulary"))
     return root, model_dir, corpus, compressed
 
 
@@ -77,8 +79,31 @@ def _nan_weight(d: Path) -> None:
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _smaller_vocabulary(d: Path) -> None:
+    """Embedding and head cut to 40 rows, config.json to match: the tokenizer (78 tokens) is now larger."""
+    state = load_file(str(d / "model.safetensors"))
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[key] = state[key][:40].contiguous()
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((d / "config.json").read_text())
+    config["vocab_size"] = 40
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _no_tokenizer(d: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (d / name).unlink(missing_ok=True)
+
+
+def _pickle_only(d: Path) -> None:
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")  # never read: refused by its name
+
+
 # (name, how the model directory is damaged (None: untouched), which model, command-line template, culprit)
-# Template words: MODEL the model directory, CORPUS the corpus, OUT an output path that must not appear.
+# Template words: MODEL the model directory, CORPUS the corpus, OUT an output path that must not appear,
+# HERE the test's working directory (it holds the model and other files of the user's), PHOTOS a folder of
+# the user's, SUBDIR an empty folder, EMPTY / BINARY / LATIN1 corpora that cannot be read as text,
+# OTHER_ARCH / OTHER_VOCAB models of another family / vocabulary.
 CASES = [
     ("truncated weights", _truncate, "compressed", "eval MODEL --ppl CORPUS --seq-len 32", "model.safetensors"),
     ("empty weights", _empty, "original", "eval MODEL --ppl CORPUS --seq-len 32", "model.safetensors"),
@@ -118,6 +143,60 @@ CASES = [
      "--heal-tokens needs the model in memory"),
     ("heal of a model that was never converted", None, "original", "heal MODEL --out OUT",
      "is not a saved retrofitter model"),
+    # data safety: nothing of the user's is replaced or removed
+    ("block-wise work dir holding the user's files", None, "original",
+     "linearize MODEL --transfer-mode blockwise --train-corpus CORPUS --work-dir HERE --out OUT --no-eval",
+     "contains the input MODEL"),
+    ("block-wise work dir that is a folder of the user's", None, "original",
+     "linearize MODEL --transfer-mode blockwise --train-corpus CORPUS --work-dir PHOTOS --out OUT --no-eval",
+     "holds files retrofitter did not write"),
+    ("work dir inside the input model", None, "original",
+     "linearize MODEL --transfer-mode blockwise --train-corpus CORPUS --work-dir MODEL/work --out OUT --no-eval",
+     "lies inside the input MODEL"),
+    ("--out the input model, with --overwrite", None, "original",
+     "compress MODEL --ratio 0.3 --calib CORPUS --out MODEL --overwrite --no-eval", "not a retrofitter output"),
+    ("--out a compressed input, with --overwrite", None, "compressed",
+     "linearize MODEL --train-corpus CORPUS --out MODEL --overwrite --no-eval", "is the input MODEL"),
+    ("--out the folder holding the input, with --overwrite", None, "original",
+     "compress MODEL --ratio 0.3 --calib CORPUS --out HERE --overwrite --no-eval", "not a retrofitter output"),
+    ("--overwrite of a folder of photos", None, "original",
+     "compress MODEL --ratio 0.3 --calib CORPUS --out PHOTOS --overwrite --no-eval", "not a retrofitter output"),
+    ("--overwrite of a file", None, "original",
+     "compress MODEL --ratio 0.3 --calib CORPUS --out FILE --overwrite --no-eval", "is a file, not a retrofitter"),
+    ("--json inside the input model", None, "original", "eval MODEL --ppl CORPUS --seq-len 32 --json MODEL/config.json",
+     "lies inside the input MODEL"),
+    ("--json an existing directory", None, "original", "eval MODEL --ppl CORPUS --json SUBDIR", "--json"),
+    ("--json a new directory", None, "original", "eval MODEL --ppl CORPUS --json newdir/", "is a directory"),
+    ("--json a file that is not a results JSON", None, "original", "eval MODEL --ppl CORPUS --json FILE",
+     "not a results JSON"),
+    # corpora read before any work
+    ("empty --eval corpus", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --out OUT --eval EMPTY",
+     "--eval"),
+    ("binary --eval corpus", None, "original", "compress MODEL --ratio 0.3 --calib CORPUS --out OUT --eval BINARY",
+     "binary file"),
+    ("Latin-1 --calib corpus", None, "original", "compress MODEL --ratio 0.3 --calib LATIN1 --out OUT",
+     "--calib"),
+    ("--calib /dev/zero", None, "original", "compress MODEL --ratio 0.3 --calib /dev/zero --out OUT",
+     "neither a regular file nor a directory"),
+    ("empty --train-corpus", None, "original", "linearize MODEL --train-corpus EMPTY --out OUT", "--train-corpus"),
+    # models and settings refused in one line
+    ("--ratio beyond a rank-1 factorization", None, "original",
+     "compress MODEL --ratio 0.9999 --allocation uniform --calib CORPUS --calib-samples 4 --seq-len 32 --out OUT "
+     "--no-eval", "--ratio"),
+    ("tokenizer larger than the embedding", _smaller_vocabulary, "original", "eval MODEL --ppl CORPUS --seq-len 32",
+     "its tokenizer has"),
+    ("no tokenizer files", _no_tokenizer, "original", "eval MODEL --ppl CORPUS --seq-len 32", "no tokenizer files"),
+    ("pickle weights only", _pickle_only, "original", "eval MODEL --ppl CORPUS --seq-len 32", "pickle weights only"),
+    ("--seq-len beyond max_position_embeddings (eval)", None, "original", "eval MODEL --ppl CORPUS --seq-len 300",
+     "max_position_embeddings (256)"),
+    ("--seq-len beyond max_position_embeddings (compress)", None, "original",
+     "compress MODEL --ratio 0.3 --calib CORPUS --seq-len 300 --out OUT --no-eval", "--seq-len 300"),
+    ("--seq-len beyond max_position_embeddings (linearize)", None, "original",
+     "linearize MODEL --train-corpus CORPUS --seq-len 300 --out OUT --no-eval", "--seq-len 300"),
+    ("teacher with another vocabulary", None, "compressed",
+     "heal MODEL --teacher OTHER_VOCAB --train-corpus CORPUS --out OUT --no-eval", "vocabulary of 40 tokens"),
+    ("teacher of another architecture", None, "compressed",
+     "heal MODEL --teacher OTHER_ARCH --train-corpus CORPUS --out OUT --no-eval", "is a qwen2 model"),
 ]
 
 
@@ -134,10 +213,20 @@ def test_failure_is_one_clear_line_and_loses_nothing(base, tmp_path, capsys, mon
     if damage is not None:
         damage(model)
     (tmp_path / "FILE").write_text("a file where a directory is expected")
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(bytes(range(256)))
+    (tmp_path / "subdir").mkdir()
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "binary.txt").write_bytes(b"text\0\x01\x02" * 50)
+    (tmp_path / "latin1.txt").write_bytes("Élisabeth à Pemberley, café\n".encode("latin-1") * 50)
     monkeypatch.chdir(tmp_path)
     before = _digest(tmp_path)
-    words = {"MODEL": str(model), "CORPUS": str(corpus), "OUT": str(tmp_path / "out")}
-    argv = [words.get(w, w) for w in template.split()] + ["--quiet"]
+    words = {"MODEL": str(model), "CORPUS": str(corpus), "OUT": str(tmp_path / "out"), "HERE": str(tmp_path),
+             "PHOTOS": str(tmp_path / "photos"), "SUBDIR": str(tmp_path / "subdir"), "FILE": str(tmp_path / "FILE"),
+             "EMPTY": str(tmp_path / "empty.txt"), "BINARY": str(tmp_path / "binary.txt"),
+             "LATIN1": str(tmp_path / "latin1.txt"), "OTHER_ARCH": str(root / "other-architecture"),
+             "OTHER_VOCAB": str(root / "other-vocabulary")}
+    argv = [words.get(w, w.replace("MODEL/", f"{model}/")) for w in template.split()] + ["--quiet"]
     assert main(argv) == 2, name
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("retrofitter ")]
@@ -145,6 +234,18 @@ def test_failure_is_one_clear_line_and_loses_nothing(base, tmp_path, capsys, mon
     assert culprit in lines[0], lines[0]
     assert "Traceback" not in err
     assert _digest(tmp_path) == before  # no file changed, none added (no output, no .partial, no lock)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == sorted(
+        ["model", "photos", "subdir"])  # no directory added either (newdir/, .out.transfer, ...)
+
+
+@pytest.mark.parametrize("argv", [["compress", "MODEL"], ["compress", "MODEL", "--ratio", "x", "--out", "o"],
+                                  ["no-such-command"], ["eval"]])
+def test_argument_errors_are_one_line_pointing_to_help(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ": error: " in err[0] and err[0].endswith("--help)"), err
 
 
 def test_debug_shows_the_traceback(base, tmp_path, capsys):
@@ -248,3 +349,14 @@ def test_degenerate_calibration_is_warned_and_recorded(base, tmp_path):
     assert main([*_compress_argv(model_dir, corpus, tmp_path / "out"), "--json", str(tmp_path / "r.json")]) == 0
     warnings = json.loads((tmp_path / "r.json").read_text())["calibration"]["warnings"]
     assert any("highly repetitive" in w for w in warnings)
+
+
+def test_quiet_prints_no_progress_bar_of_ours_or_of_the_libraries(base, tmp_path, capsys):
+    _, model_dir, corpus, _ = base
+    capsys.readouterr()
+    assert main(_compress_argv(model_dir, corpus, tmp_path / "out")) == 0  # saving: transformers' shard bar
+    assert main(["eval", str(tmp_path / "out"), "--ppl", str(corpus), "--seq-len", "32", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "it/s" not in err and "%|" not in err, err
+    assert main(["eval", str(tmp_path / "out"), "--ppl", str(corpus), "--seq-len", "32"]) == 0
+    assert "%|" in capsys.readouterr().err  # without --quiet the bars are there (the check above can fail)

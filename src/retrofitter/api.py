@@ -85,16 +85,35 @@ def load_model(name_or_path: str, dtype="float32", device="cpu", quantize: str |
                 model = auto_class_for(config).from_pretrained(  # LLaVA: AutoModelForImageTextToText
                     source, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False)
             model = model.to(device).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        tokenizer = _load_tokenizer(source, name_or_path)
     except ModelLoadError:
         raise
     except Exception as error:  # noqa: BLE001 — whatever transformers or safetensors raise, one clear message
         detail = " ".join(str(error).split())[:300] or type(error).__name__
         raise ModelLoadError(f"cannot load model {name_or_path!s}: {detail}") from error
     model.name_or_path = str(name_or_path)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelLoadError(f"model {name_or_path!s}: its tokenizer has {len(tokenizer)} tokens but the embedding only "
+                             f"{rows} rows, so token ids past {rows - 1} have no embedding; the tokenizer belongs to "
+                             f"another model: copy the model's own tokenizer files into the directory")
     if quantize is not None:
         model = quantize_model(model, quantize)
     return model, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _load_tokenizer(source, name_or_path):
+    """The tokenizer of ``source``; a local directory without tokenizer files is refused in one line (transformers
+    would answer with advice about sentencepiece)."""
+    import transformers
+
+    if Path(source).is_dir() and not any(Path(source, name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"model {name_or_path!s}: no tokenizer files in {source} (looked for "
+                             f"{', '.join(TOKENIZER_FILES)}); copy the tokenizer of the model into the directory")
+    return transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=False)
 
 
 def quantize(model: nn.Module, scheme: str) -> nn.Module:
@@ -262,11 +281,13 @@ def heal(model: nn.Module, teacher: nn.Module | None, blocks: torch.Tensor, conf
 
 def load_tokenizer(name_or_path: str):
     """The tokenizer of a built-in alias, a local model directory or a hub id (no remote code)."""
-    import transformers
-
     from .data.models import resolve_model_source
 
-    return transformers.AutoTokenizer.from_pretrained(resolve_model_source(name_or_path), trust_remote_code=False)
+    try:
+        source = resolve_model_source(name_or_path)
+    except FileNotFoundError as error:
+        raise ModelLoadError(str(error)) from None
+    return _load_tokenizer(source, name_or_path)
 
 
 def compress_out_of_core(name_or_path: str, out, config: CompressConfig, calibration: torch.Tensor, *, work_dir,

@@ -30,7 +30,7 @@ from .errors import ModelLoadError, OutputBusyError
 from .modules.quantize import quantized_scheme
 
 __all__ = ["save_retrofitted", "save_retrofitted_shards", "replacement_records",
-           "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_writable", "output_lock", "check_weight_files",
+           "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_separate_paths", "check_writable", "output_lock", "check_weight_files",
            "RETROFITTER_JSON"]
 
 RETROFITTER_JSON = "retrofitter.json"
@@ -45,11 +45,52 @@ def is_retrofitted_dir(path) -> bool:
     return Path(path, RETROFITTER_JSON).is_file()
 
 
-def prepare_output_dir(out, overwrite: bool) -> None:
-    """Refuse an existing output unless ``overwrite`` (then it is replaced only once the new one is complete)."""
+def prepare_output_dir(out, overwrite: bool) -> str | None:
+    """Refuse an existing output unless ``overwrite``; then it is replaced only once the new one is complete,
+    and only when it is a previous retrofitter output (a directory with ``retrofitter.json``) or an empty
+    directory: anything else (a folder of the user's, a file) is refused even with ``overwrite``.
+    Returns what will be replaced, in words (None when ``out`` does not exist)."""
     out = Path(out)
-    if out.exists() and not overwrite:
+    if not out.exists() and not out.is_symlink():
+        return None
+    if not overwrite:
         raise OutputExistsError(f"output {out} already exists; pass --overwrite (overwrite=True) to replace it")
+    if out.is_dir() and is_retrofitted_dir(out):
+        try:
+            info = json.loads((out / RETROFITTER_JSON).read_text())
+            what = f"{info.get('method', 'a conversion')} of {info.get('source_model', '?')}"
+        except (OSError, ValueError, AttributeError):
+            what = "a conversion"
+        return f"the retrofitter output {out} ({what})"
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return f"the empty directory {out}"
+    kind = "a file" if not out.is_dir() else "a directory without retrofitter.json"
+    raise OutputExistsError(f"output {out} is {kind}, not a retrofitter output: --overwrite replaces only a previous "
+                            f"retrofitter output or an empty directory; move it away or choose another --out")
+
+
+def check_separate_paths(outputs: dict[str, object], inputs: dict[str, object]) -> None:
+    """Refuse (``ValueError`` naming both flags) an output path that equals, contains or lies inside an input
+    path: replacing or cleaning the output would then destroy the input. ``outputs`` / ``inputs`` map a flag
+    (``--out``, ``MODEL``) to a path; None values and inputs that are not local paths (aliases, hub ids,
+    built-in corpus names) are skipped."""
+    resolved_inputs = {flag: Path(p).expanduser().resolve() for flag, p in inputs.items()
+                       if p is not None and Path(p).expanduser().exists()}
+    for out_flag, out in outputs.items():
+        if out is None:
+            continue
+        target = Path(out).expanduser().resolve()
+        for in_flag, source in resolved_inputs.items():
+            if target == source:
+                relation = "is"
+            elif target in source.parents:
+                relation = "contains"
+            elif source in target.parents:
+                relation = "lies inside"
+            else:
+                continue
+            raise ValueError(f"{out_flag} {out} {relation} the input {in_flag} {inputs[in_flag]}; write the output "
+                             f"somewhere else")
 
 
 def check_writable(path, what: str = "output") -> None:
@@ -255,8 +296,16 @@ def load_retrofitted(path, dtype: torch.dtype | None = None, device: str | torch
 
 def check_weight_files(path) -> None:
     """Open the header of every ``*.safetensors`` file of directory ``path``: a damaged one raises
-    ``ModelLoadError`` naming it (the header check also catches files cut short)."""
-    for file in sorted(Path(path).glob("*.safetensors")):
+    ``ModelLoadError`` naming it (the header check also catches files cut short). A directory with pickle
+    weights only (``pytorch_model.bin``, ``*.pt``) is refused: retrofitter never unpickles."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files and Path(path, "config.json").is_file():
+        pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in Path(path).glob(pattern))
+        if pickles:
+            raise ModelLoadError(f"model {path}: holds pickle weights only ({pickles[0]}); retrofitter reads safetensors "
+                                 f"only and never unpickles: convert it once where you trust the file (transformers' "
+                                 f"save_pretrained writes safetensors)")
+    for file in files:
         try:
             with safe_open(str(file), framework="pt"):
                 pass

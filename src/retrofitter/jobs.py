@@ -10,14 +10,12 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 
 from .api import compress, compress_out_of_core, evaluate, evaluation_blocks, heal, linearize, load_model, load_tokenizer, save
-from .checkpoint import (RETROFITTER_JSON, check_writable, is_retrofitted_dir, output_lock, prepare_output_dir,
-                         read_retrofitter_json)
+from .checkpoint import RETROFITTER_JSON, is_retrofitted_dir, output_lock, read_retrofitter_json
 from .config import CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
 from .data.corpora import check_corpus, load_text
@@ -26,7 +24,10 @@ from .eval.perplexity import perplexity
 from .eval.resources import current_rss_mb, peak_rss_mb, sampled_rss
 from .pipelines.distributed import SINGLE_PROCESS, data_parallel_from_env
 from .pipelines.linearize import check_linearize_config
+from .pipelines.resume import remove_work_dir
 from .pipelines.sequential import CalibrationError
+from .preflight import (check_context, check_outputs, check_teacher, checked_original, eval_lengths, heal_dir,
+                        original_model_of, partial_dir)
 
 __all__ = ["compress_job", "linearize_job", "eval_job", "heal_job", "original_model_of", "NO_EVAL"]
 
@@ -53,7 +54,10 @@ def compress_job(model_name: str, out, config: CompressConfig, eval_config: Eval
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2 (a block needs a next token), got {seq_len}")
     check_corpus(calib, "--calib")
-    _check_outputs(out, overwrite, eval_config)
+    work_dirs = {"the resume directory": partial_dir(out)}
+    if heal_config is not None:
+        work_dirs["the healing directory"] = heal_dir(out)
+    check_outputs(out, overwrite, eval_config, {"MODEL": model_name, "--calib": calib}, work_dirs)
     if out_of_core and heal_config is not None:
         raise ValueError("--heal-tokens needs the model in memory; heal the --out-of-core result afterwards with "
                          "`retrofitter heal OUT`")
@@ -75,6 +79,7 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
+    check_context(model, {"--seq-len": seq_len, **eval_lengths(eval_config)})
     calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
     before = account(model)
     memory = {"before_load": floor_mb, "after_load": current_rss_mb()}
@@ -84,7 +89,7 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
         timings["calibration_forward"] = time.perf_counter() - t0
         memory["after_calibration_forward"] = current_rss_mb()
     compress_memory: dict = {}
-    partial = out.parent / f".{out.name}.partial"
+    partial = partial_dir(out)
     with sampled_rss(compress_memory, interval_s=0.05):  # the compression alone (not the --measure-cost forward)
         model, report = compress(model, config, calibration, progress=progress and parallel.rank == 0,
                                  checkpoint_dir=partial, remove_checkpoint=False, parallel=parallel)
@@ -103,9 +108,9 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
         model, metadata["heal"] = healing["model"], healing["metadata"]
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
-    shutil.rmtree(partial, ignore_errors=True)  # only now: a failed save leaves the finished layers to resume from
+    remove_work_dir(partial)  # only now: a failed save leaves the finished layers to resume from
     if healing is not None:
-        shutil.rmtree(healing["work_dir"], ignore_errors=True)
+        remove_work_dir(healing["work_dir"])
     timings["save"] = time.perf_counter() - t0
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=config.method,
                        ratio=config.ratio, baseline=before)
@@ -158,7 +163,7 @@ def compress_out_of_core_job(model_name, out: Path, config, calib, calib_samples
     start = time.perf_counter()
     tokenizer = load_tokenizer(model_name)
     calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
-    partial = out.parent / f".{out.name}.partial"
+    partial = partial_dir(out)
     metadata = {"method": config.method, "ratio": config.ratio, "source_model": model_name,
                 "config": config.to_dict(), "out_of_core": True,
                 "calibration": {"corpus": calib, "blocks": calibration.shape[0], "seq_len": seq_len}}
@@ -170,7 +175,7 @@ def compress_out_of_core_job(model_name, out: Path, config, calib, calib_samples
                                              progress=progress and parallel.rank == 0, parallel=parallel)
     if parallel.rank != 0:
         return {"rank": parallel.rank, "processes": parallel.world_size, "compress_report": report}
-    shutil.rmtree(partial, ignore_errors=True)
+    remove_work_dir(partial)
     results = evaluate(model, tokenizer, NO_EVAL, progress=False, name=model_name, method=config.method,
                        ratio=config.ratio)
     results.update(out=str(out), out_of_core=True, processes=parallel.world_size, calibration=report["calibration"],
@@ -194,7 +199,11 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
     out = Path(out)
     check_linearize_config(config)
     check_corpus(train_corpus, "--train-corpus")
-    _check_outputs(out, overwrite, eval_config)
+    work_dir = Path(work_dir) if work_dir else out.parent / f".{out.name}.transfer"
+    inputs = {"MODEL": model_name, "--train-corpus": train_corpus}
+    if is_retrofitted_dir(model_name):
+        inputs["its original model"] = checked_original(model_name)
+    check_outputs(out, overwrite, eval_config, inputs, {"--work-dir": work_dir})
     rank = int(os.environ.get("RANK", "0"))  # under torchrun accelerate runs the processes; rank 0 writes
     with output_lock(out) if rank == 0 else contextlib.nullcontext():
         return _linearize(model_name, out, config, eval_config, preset, train_corpus, work_dir, eval_original,
@@ -206,6 +215,7 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     timings, start = {}, time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
+    check_context(model, {"--seq-len": config.seq_len, **eval_lengths(eval_config)})
     before = account(model)
     original = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name) if eval_original else None
     wanted = config.transfer_tokens + config.lora_tokens
@@ -214,7 +224,6 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     n_lora = max(1, config.lora_tokens // config.seq_len)
     transfer_blocks = blocks[:n_transfer]
     lora_blocks = blocks[n_transfer:n_transfer + n_lora] if blocks.shape[0] >= n_transfer + n_lora else blocks[:n_lora]
-    work_dir = Path(work_dir) if work_dir else out.parent / f".{out.name}.transfer"
     original_name, teacher = model_name, None
     if is_retrofitted_dir(model_name):  # a conversion (e.g. compressed): stage 2 distils from its original
         original_name = original_model_of(model_name)
@@ -238,7 +247,7 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
     if config.transfer_mode == "blockwise":
-        shutil.rmtree(work_dir, ignore_errors=True)  # the cached teacher inputs, once the model is saved
+        remove_work_dir(work_dir)  # the cached teacher inputs, once the model is saved (only what was written)
     timings["save"] = time.perf_counter() - t0
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=metadata["method"],
                        ratio=metadata["ratio"], baseline=before)
@@ -254,14 +263,6 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     results["transfer_mse"] = {str(k): v for k, v in report.get("transfer", {}).get("layers", {}).items()}
     results["lora"] = {k: v for k, v in report.get("lora", {}).items() if k != "loss_history"}
     return results
-
-
-def _check_outputs(out: Path, overwrite: bool, eval_config: EvalConfig) -> None:
-    """Before any work: the output may be written, the evaluation corpora exist."""
-    prepare_output_dir(out, overwrite)
-    check_writable(out, "--out")
-    for corpus in eval_config.corpora:
-        check_corpus(corpus, "--eval")
 
 
 def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit: float | None = None,
@@ -285,10 +286,7 @@ def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit:
     if is_retrofitted_dir(model_name):
         info = json.loads((Path(model_name) / RETROFITTER_JSON).read_text())
         method, ratio = info.get("method", "retrofitted"), info.get("ratio")
-    if passkey:
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit and max(passkey) > limit:
-            raise ValueError(f"--passkey {max(passkey)} exceeds the model's max_position_embeddings ({limit})")
+    check_context(model, {**eval_lengths(eval_config, "--seq-len"), "--passkey": max(passkey, default=0)})
     results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method=method, ratio=ratio)
     if passkey:
         from .eval.passkey import passkey_accuracy
@@ -303,22 +301,6 @@ def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit:
     return results
 
 
-def original_model_of(model_dir) -> str:
-    """The original model a saved conversion came from: ``source_model`` of its retrofitter.json, followed
-    through conversions of conversions (``linearize`` run on a compressed directory)."""
-    name, seen = str(model_dir), set()
-    while is_retrofitted_dir(name):
-        if name in seen:
-            raise ValueError(f"{model_dir}: the source_model entries of retrofitter.json form a loop; pass --teacher")
-        seen.add(name)
-        info = read_retrofitter_json(name)
-        source = info.get("original_model") or info.get("source_model")
-        if not source:
-            raise ValueError(f"{name}: retrofitter.json names no source_model; pass --teacher")
-        name = str(source)
-    return name
-
-
 def heal_job(model_dir, out, config: HealConfig, eval_config: EvalConfig = NO_EVAL, *, teacher: str | None = None,
              train_corpus: str = "wiki-calib", control: bool = False, overwrite: bool = False, dtype="float32",
              device="cpu", progress: bool = True) -> dict:
@@ -330,19 +312,24 @@ def heal_job(model_dir, out, config: HealConfig, eval_config: EvalConfig = NO_EV
     if not is_retrofitted_dir(model_dir):
         raise ValueError(f"{model_dir} is not a saved retrofitter model (no {RETROFITTER_JSON}); heal takes the output "
                          f"of compress or linearize")
-    teacher = teacher or original_model_of(model_dir)
+    given = teacher is not None
+    teacher = teacher or checked_original(model_dir)
+    check_teacher(model_dir, teacher, f"--teacher {teacher}" if given else f"the source_model {teacher}")
     check_corpus(train_corpus, "--train-corpus")
-    _check_outputs(out, overwrite, eval_config)
+    check_outputs(out, overwrite, eval_config, {"MODEL": model_dir, "--teacher": teacher,
+                                                 "--train-corpus": train_corpus},
+                   {"the healing directory": heal_dir(out)})
     with output_lock(out):
         info = read_retrofitter_json(model_dir)
         model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
+        check_context(model, {"--seq-len": config.seq_len, **eval_lengths(eval_config)})
         method = info.get("method", "retrofitted")
         healing = _heal_stages(model, tokenizer, teacher, config, eval_config, train_corpus, out, progress, dtype, device,
                                name=str(model_dir), method=method, ratio=info.get("ratio"), control=control)
         metadata = {k: v for k, v in info.items() if k not in ("format_version", "replacements", "versions")}
         metadata["heal"] = healing["metadata"]
         save(healing["model"], out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
-        shutil.rmtree(healing["work_dir"], ignore_errors=True)
+        remove_work_dir(healing["work_dir"])
         results = evaluate(healing["model"], tokenizer, eval_config, progress=progress, blocks=healing["eval_blocks"],
                            name=str(model_dir), method=f"{method}+heal", ratio=info.get("ratio"),
                            baseline=healing["baseline"])
@@ -365,7 +352,7 @@ def _heal_stages(model, tokenizer, teacher_name, config: HealConfig, eval_config
     max_tokens = config.tokens if config.tokens and not config.minutes else None  # a time budget may loop the text
     blocks = token_blocks(tokenizer, load_text(train_corpus), config.seq_len,
                           max_tokens=max(max_tokens, config.seq_len) if max_tokens else None)
-    work_dir = out.parent / f".{out.name}.heal"
+    work_dir = heal_dir(out)
     model, report = heal(model, teacher, blocks, config, progress=progress, work_dir=work_dir)
     stages = {"model": model, "work_dir": work_dir, "eval_blocks": eval_blocks, "baseline": baseline,
               "original": original, "before": before, "report": report,

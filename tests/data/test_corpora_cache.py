@@ -69,11 +69,71 @@ def test_atomic_writes_and_manifest_verification(isolated_cache):
     assert cache.sha256_file(target) == cache.sha256_bytes(b"hello")
     cache.write_manifest("x", [target], sources=[{"package": "p"}], stats={"words": 1})
     assert cache.manifest_is_complete("x", verify_checksums=True)
-    target.write_text("jello")  # same size, different bytes: only the full check notices
-    assert cache.manifest_is_complete("x") and not cache.manifest_is_complete("x", verify_checksums=True)
-    target.write_text("hello world")
+    target.write_text("hello world")  # another size: not complete (fetched again)
     assert not cache.manifest_is_complete("x")
     assert not cache.manifest_is_complete("never-fetched")
+
+
+def _flip_one_byte(path: Path, keep_mtime: bool) -> None:
+    import os
+
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    if keep_mtime:  # bit rot: the bytes change, the size and the modification time do not
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_damaged_file_is_named_with_its_repair(isolated_cache, monkeypatch):
+    target = cache.atomic_write_text(cache.corpora_dir() / "x.txt", "hello, world")
+    cache.write_manifest("x", [target], sources=[], stats={})
+    hashed = []
+    sha256 = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda p: hashed.append(p) or sha256(p))
+    assert cache.manifest_is_complete("x") and hashed == []  # stamped at fetch: a use only stats the files
+    _flip_one_byte(target, keep_mtime=False)  # an edit: the stamp no longer matches, so it is hashed
+    with pytest.raises(cache.CacheDamagedError, match=r"x.txt does not match .* retrofitter fetch x --force"):
+        cache.manifest_is_complete("x")
+    cache.write_manifest("x", [target], sources=[], stats={})
+    _flip_one_byte(target, keep_mtime=True)
+    assert cache.manifest_is_complete("x")  # the cheap check cannot see bit rot ...
+    with pytest.raises(cache.CacheDamagedError, match="x.txt"):
+        cache.manifest_is_complete("x", verify_checksums=True)  # ... fetch's full check does
+
+
+def test_fetch_command_verifies_every_byte_and_eval_refuses_a_damaged_corpus(isolated_cache, tmp_path, capsys):
+    from retrofitter.cli import main
+    from tiny_models import save_tiny_model_dir
+
+    austen = cache.atomic_write_text(cache.corpora_dir() / "austen.txt", "It is a truth universally acknowledged. " * 40)
+    cache.write_manifest("austen", [austen], sources=[], stats={})
+    assert main(["fetch", "austen", "--quiet"]) == 0
+    _flip_one_byte(austen, keep_mtime=True)
+    assert main(["fetch", "austen", "--quiet"]) == 2
+    assert "austen.txt does not match the checksum" in capsys.readouterr().err
+    _flip_one_byte(austen, keep_mtime=False)  # flipped back: the original bytes, a new mtime
+    model = save_tiny_model_dir(tmp_path / "m", "llama")
+    capsys.readouterr()
+    assert main(["eval", str(model), "--ppl", "austen", "--seq-len", "32", "--quiet"]) == 0  # hashed again: intact
+    capsys.readouterr()
+    _flip_one_byte(austen, keep_mtime=False)
+    assert main(["eval", str(model), "--ppl", "austen", "--seq-len", "32", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "retrofitter fetch austen --force" in err[0], err
+
+
+def test_a_cache_that_cannot_be_written_is_still_read(isolated_cache):
+    target = cache.atomic_write_text(cache.corpora_dir() / "x.txt", "hello")
+    cache.write_manifest("x", [target], sources=[], stats={})
+    (isolated_cache / "locks").write_text("a file where the lock directory would go")  # no lock can be created
+    cache.manifest_path("x").with_name("x.verified.json").unlink()
+    (isolated_cache / "manifests").chmod(0o555)  # (root ignores it; the lock above is the check that holds)
+    try:
+        with cache.item_lock("x"):
+            assert cache.manifest_is_complete("x")
+    finally:
+        (isolated_cache / "manifests").chmod(0o755)
 
 
 def test_atomic_move_dir_replaces_a_stale_directory(tmp_path):

@@ -8,13 +8,14 @@ the fields of ``CompressConfig`` / ``LinearizeConfig`` (help texts and defaults 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import traceback
 from pathlib import Path
 
-from ..checkpoint import check_writable
+from ..checkpoint import check_separate_paths, check_writable
 from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, name_list, positive_int_list
@@ -22,9 +23,17 @@ from .flags import add_config_flags, config_from_args, name_list, positive_int_l
 __all__ = ["main", "build_parser"]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def _add_common(parser, json_flag: bool = True) -> None:
-    if json_flag:
-        parser.add_argument("--json", type=Path, help="write the results JSON here")
+    if json_flag:  # a string: a trailing "/" (a directory meant) must survive to be refused
+        parser.add_argument("--json", help="write the results JSON here (a file; an existing one is replaced only "
+                                           "if it holds a JSON object)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -56,13 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     from ..modules.quantize import QUANTIZE_SCHEMES
     from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 
-    parser = argparse.ArgumentParser(prog="retrofitter", description=__doc__)
+    parser = OneLineParser(prog="retrofitter", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows per-layer progress)")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error (or RETROFITTER_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     fetch = commands.add_parser("fetch", help="download the default model and corpora into the cache")
     fetch.add_argument("names", nargs="*", default=["all"], help="smollm2-135m, wiki, austen or all (default)")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if cached (repairs a damaged file)")
     fetch.add_argument("--quiet", action="store_true")
 
     evaluate = commands.add_parser("eval", help="perplexity and accounting of any causal LM")
@@ -190,7 +200,7 @@ def _show(results: dict, args) -> int:
 def cmd_fetch(args) -> int:
     from ..data.fetch import fetch
 
-    for name, path in fetch(args.names, progress=not args.quiet).items():
+    for name, path in fetch(args.names, progress=not args.quiet, verify=True, force=args.force).items():
         print(f"{name}: {path}")
     return 0
 
@@ -300,6 +310,61 @@ COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "lin
             "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 
+def _input_paths(args) -> dict:
+    """The paths a command reads (flag -> path), which no output may replace."""
+    inputs = {}
+    for name, flag in (("model", "MODEL"), ("calib", "--calib"), ("train_corpus", "--train-corpus"),
+                       ("teacher", "--teacher"), ("work_dir", "--work-dir"), ("out", "--out")):
+        if getattr(args, name, None):
+            inputs[flag] = getattr(args, name)
+    for name, flag in (("corpora", "--eval"), ("models", "MODELS"), ("run_dirs", "RUN_DIRS")):
+        for value in getattr(args, name, None) or ():
+            inputs[f"{flag} {value}"] = value
+    return inputs
+
+
+def check_json_output(text: str, inputs: dict) -> Path:
+    """Before any work: ``--json`` names a file that can be written, is not a directory, is none of the inputs
+    (nor inside one), and, if it exists, holds a JSON object (a previous results file), which it replaces."""
+    import json
+
+    path = Path(text)
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        raise ValueError(f"--json {text}: is a directory; give a file name, e.g. {path / 'results.json'}")
+    check_writable(path, "--json")
+    check_separate_paths({"--json": path}, {k: v for k, v in inputs.items() if k != "--out"})
+    if path.exists():
+        try:
+            previous = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            previous = None
+        if not isinstance(previous, dict):
+            raise ValueError(f"--json {text}: exists and is not a results JSON; not replacing it (choose another file)")
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_libraries(quiet: bool):
+    """``--quiet``: no progress bars from transformers, huggingface_hub or any tqdm either (``TQDM_DISABLE``)."""
+    if not quiet:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    from transformers.utils import logging as hf_logging
+
+    os.environ.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    try:
+        hf_logging.disable_progress_bar()
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # Failures users cause (bad input, files, settings): one line naming the culprit. Anything else is a bug of
 # ours: one line too, marked as internal, so a user never faces a raw traceback (--debug shows it).
 USER_ERRORS = (RetrofitterError, ValueError, OSError, FloatingPointError)
@@ -315,8 +380,9 @@ def main(argv=None) -> int:
     debug = args.debug or os.environ.get("RETROFITTER_DEBUG", "") not in ("", "0")
     try:
         if getattr(args, "json", None):
-            check_writable(args.json, "--json")
-        return COMMANDS[args.command](args)
+            args.json = check_json_output(args.json, _input_paths(args))
+        with _quiet_libraries(getattr(args, "quiet", False)):
+            return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(f"retrofitter {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -80,19 +80,45 @@ def _load_hf_text(spec: str) -> str:
 
 def _load_local_text(path: Path) -> str:
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return read_text_file(path)
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is neither a regular file nor a directory")
     files = sorted(path.rglob("*.txt"), key=lambda file: file.relative_to(path).as_posix())
     if not files:
         raise ValueError(f"directory {str(path)!r} contains no .txt files")
-    return FILE_SEPARATOR.join(file.read_text(encoding="utf-8").strip("\n") for file in files)
+    return FILE_SEPARATOR.join(read_text_file(file).strip("\n") for file in files)
+
+
+def read_text_file(path: Path) -> str:
+    """The UTF-8 text of ``path``; ``ValueError`` naming the file when it is empty, binary or not UTF-8."""
+    data = Path(path).read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{str(path)!r} is a binary file (NUL byte at offset {nul}), not text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+                         f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise ValueError(f"{str(path)!r} is empty (no text to read)")
+    return text
 
 
 def check_corpus(name: str | Path, flag: str = "corpus") -> None:
-    """Raise ``ValueError`` (naming ``flag``) unless ``name`` is an accepted corpus form; loads nothing."""
+    """Raise ``ValueError`` (naming ``flag`` and the file) unless ``name`` is an accepted corpus form; a local file
+    or directory is read once and must be non-empty UTF-8 text. Built-in and ``hf:`` corpora are not loaded."""
     if isinstance(name, str) and (name in CORPORA or name.startswith(HF_PREFIX)):
         return
-    if not Path(name).expanduser().exists():
+    path = Path(name).expanduser()
+    if not path.exists():
         raise ValueError(f"{flag} {str(name)!r}: no such corpus; expected {_accepted_forms()}")
+    try:
+        _load_local_text(path)
+    except (ValueError, OSError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        reason = reason.removeprefix(f"{str(path)!r} ")  # the corpus itself: named once, by the flag
+        raise ValueError(f"{flag} {str(name)!r}: {reason}") from None
 
 
 def load_text(name: str | Path, progress: bool = True) -> str:

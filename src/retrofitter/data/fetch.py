@@ -14,30 +14,37 @@ from pathlib import Path
 from typing import Callable
 
 from .austen import fetch_austen
+from .cache import manifest_is_complete
 from .models import MODEL_ALIASES, fetch_model
 from .wiki import fetch_wiki
 
 ALL_GROUPS = "all"
 
 
-def _model_fetcher(alias: str) -> Callable[[bool], dict[str, Path]]:
-    return lambda progress: {alias: fetch_model(alias, progress=progress)}
+Fetcher = Callable[[bool, bool], dict[str, Path]]  # (progress, force) -> {artifact name: path}
 
 
-def fetch_groups() -> dict[str, Callable[[bool], dict[str, Path]]]:
-    """Registry: fetch group name → function(progress) returning {artifact name: path}."""
-    groups: dict[str, Callable[[bool], dict[str, Path]]] = {alias: _model_fetcher(alias) for alias in MODEL_ALIASES}
-    groups["wiki"] = lambda progress: fetch_wiki(progress=progress)
-    groups["austen"] = lambda progress: {"austen": fetch_austen(progress=progress)}
+def _model_fetcher(alias: str) -> Fetcher:
+    return lambda progress, force: {alias: fetch_model(alias, progress=progress, force=force)}
+
+
+def fetch_groups() -> dict[str, Fetcher]:
+    """Registry: fetch group name (= its cache item) → function(progress, force) returning {artifact name: path}."""
+    groups: dict[str, Fetcher] = {alias: _model_fetcher(alias) for alias in MODEL_ALIASES}
+    groups["wiki"] = lambda progress, force: fetch_wiki(progress=progress, force=force)
+    groups["austen"] = lambda progress, force: {"austen": fetch_austen(progress=progress, force=force)}
     return groups
 
 
-def fetch(names: list[str] | str | None = None, progress: bool = True) -> dict[str, Path]:
+def fetch(names: list[str] | str | None = None, progress: bool = True, verify: bool = False,
+          force: bool = False) -> dict[str, Path]:
     """Fetch the named groups (default: all); returns {artifact name: path} for everything fetched.
 
-    Already-fetched items are verified from their manifests and not fetched again. Raises
-    ValueError for an unknown name and :class:`FetchError` (naming the item, the package and the
-    reason) when a download or conversion fails.
+    Already-fetched items are checked against their manifests (sizes, and the checksums of files changed
+    since their last check; every checksum with ``verify``) and not fetched again; ``force`` fetches them
+    again (the repair of a damaged file). Raises ValueError for an unknown name, ``CacheDamagedError`` naming
+    a damaged file, and :class:`FetchError` (naming the item, the package and the reason) when a download or
+    conversion fails.
     """
     groups = fetch_groups()
     if names is None:
@@ -50,5 +57,7 @@ def fetch(names: list[str] | str | None = None, progress: bool = True) -> dict[s
     selected = list(groups) if ALL_GROUPS in names else list(dict.fromkeys(names))
     results: dict[str, Path] = {}
     for name in selected:
-        results.update(groups[name](progress))
+        if verify and not force:
+            manifest_is_complete(name, verify_checksums=True)  # raises on a damaged file; False: fetched below
+        results.update(groups[name](progress, force))
     return results

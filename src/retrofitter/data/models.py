@@ -169,9 +169,19 @@ def resolve_model_source(name_or_path: str | Path) -> str | Path:
     """Alias → fetched directory (fetching if needed); existing local directory → itself; else unchanged (hub id)."""
     if isinstance(name_or_path, str) and name_or_path in MODEL_ALIASES:
         return fetch_model(name_or_path)
+    check_model_name(name_or_path)
+    path = Path(name_or_path).expanduser()
+    return path if path.is_dir() else name_or_path
+
+
+def check_model_name(name_or_path: str | Path) -> None:
+    """Raise ``FileNotFoundError`` when ``name_or_path`` is meant as a local path that is not a directory;
+    aliases, local directories and hub ids pass (nothing is fetched)."""
+    if isinstance(name_or_path, str) and name_or_path in MODEL_ALIASES:
+        return
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return path
+        return
     text = str(name_or_path)
     # a path, not a hub id ("org/name"): absolute, explicit relative, a file, or under an existing local directory
     if (path.exists() or text.startswith(("/", ".", "~")) or text.count("/") > 1
@@ -179,4 +189,3 @@ def resolve_model_source(name_or_path: str | Path) -> str | Path:
         kind = "not a directory" if path.exists() else "no such directory"
         raise FileNotFoundError(f"model {text}: {kind} (give a model directory, a built-in alias "
                                 f"{sorted(MODEL_ALIASES)} or a hub id org/name)")
-    return name_or_path

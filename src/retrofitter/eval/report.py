@@ -8,6 +8,8 @@ anything else (``config.json``, ``retrofitter.json`` of saved models, ...) is li
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,7 +190,58 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
     if not data.results and not data.benches:
         raise ValueError(f"no results or bench JSON files found in {[str(p) for p in run_dirs]}")
     out = Path(out) if out is not None else (run_dirs[0] if run_dirs[0].is_dir() else run_dirs[0].parent)
-    out.mkdir(parents=True, exist_ok=True)
+    _drop_unrenderable(data)
+    if not data.results and not data.benches:
+        raise ValueError("no results or bench JSON file could be read: " + "; ".join(data.skipped))
+    with tempfile.TemporaryDirectory(prefix="retrofitter-report-") as staging:  # nothing in out until it all worked
+        lines = _report_lines(data, Path(staging), run_dirs, title)
+        (Path(staging) / "report.md").write_text("\n".join(lines))
+        out.mkdir(parents=True, exist_ok=True)
+        for file in sorted(Path(staging).rglob("*")):
+            if file.is_file():
+                target = out / file.relative_to(staging)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(file), str(target))
+    return out / "report.md"
+
+
+def _drop_unrenderable(data: RunData) -> None:
+    """Move every results / bench JSON whose fields the tables cannot render (a wrong type, say) to
+    ``data.skipped``, naming the file and the error, so that one bad file costs its rows, not the report."""
+    for kind, renders in (("results", _render_result), ("benches", _bench_section)):
+        kept = []
+        for content in getattr(data, kind):
+            try:
+                renders(content)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
+                data.skipped.append(f"{content['_source']}.json: a field of the wrong type or shape "
+                                    f"({type(error).__name__}: {error})")
+                data.files = [f for f in data.files if Path(f).stem != content["_source"]]
+                continue
+            kept.append(content)
+        setattr(data, kind, kept)
+
+
+def _render_result(result: dict) -> None:
+    """Every table and line the report makes of one results record (raises what a bad field raises)."""
+    format_results_table([result], markdown=True)
+    format_cost_table([result])
+    format_heal_table([result])
+    format_passkey_table([result])
+    _lm_eval_table([result])
+    _settings_lines([result])
+    _timing_lines([result])
+
+
+def _timing_lines(results: list[dict]) -> list[str]:
+    return [f"- {r.get('model', '')} / {r.get('method', '')} / {_ratio_text(r)}: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in r.get("timings_s", {}).items() if isinstance(v, (int, float)))
+            + (f"; peak RSS {r['peak_rss_mb']:.0f} MiB" if r.get("peak_rss_mb") else "")
+            for r in results]
+
+
+def _report_lines(data: RunData, out: Path, run_dirs: list[Path], title: str) -> list[str]:
+    """The report's markdown lines; its plots are written under ``out / "plots"``."""
     results = sorted(data.results, key=_sort_key)
 
     lines = [f"# {title}", "",
@@ -232,13 +285,7 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
         lines += ["## Plots", "", *figures]
     if results:
         lines += ["## Settings", "", *_settings_lines(results), ""]
-        timings = [f"- {r.get('model', '')} / {r.get('method', '')} / {_ratio_text(r)}: "
-                   + ", ".join(f"{k} {v:.1f} s" for k, v in r.get("timings_s", {}).items() if isinstance(v, (int, float)))
-                   + (f"; peak RSS {r['peak_rss_mb']:.0f} MiB" if r.get("peak_rss_mb") else "")
-                   for r in results]
-        lines += ["Timings:", "", *timings, ""]
+        lines += ["Timings:", "", *_timing_lines(results), ""]
     lines += ["## Files", "", *[f"- read `{f}`" for f in data.files], *[f"- skipped {s}" for s in data.skipped], ""]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+    return lines
 

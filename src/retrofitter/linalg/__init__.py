@@ -24,6 +24,7 @@ from .ranks import (
     max_useful_rank,
     rank_for_group_budget,
     rank_for_keep_fraction,
+    rank_for_ratio,
 )
 from .svd import bias_compensation, proxy_error, rootcov_svd, weighted_low_rank
 
@@ -57,6 +58,7 @@ __all__ = [
     "proxy_error",
     "rank_for_group_budget",
     "rank_for_keep_fraction",
+    "rank_for_ratio",
     "rootcov_svd",
     "rope_relative_rotations",
     "weighted_low_rank",

@@ -74,6 +74,19 @@ def rank_for_keep_fraction(d_in: int, d_out: int, keep_fraction: float, junction
     return rank
 
 
+def rank_for_ratio(d_in: int, d_out: int, ratio: float, junction: bool = True) -> int:
+    """``rank_for_keep_fraction(d_in, d_out, 1 − ratio)`` for a compression ``ratio`` (the fraction removed); the
+    error of an impossible ratio speaks of the ratio and gives the largest one the matrix allows."""
+    try:
+        return rank_for_keep_fraction(d_in, d_out, 1.0 - ratio, junction)
+    except ValueError:
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(f"ratio must lie in (0, 1), got {ratio}") from None
+        largest = 1.0 - factor_param_count(d_in, d_out, 1, junction) / (d_in * d_out)
+        raise ValueError(f"ratio {ratio} (--ratio) removes more than a rank-1 factorization of this {d_out}x{d_in} "
+                         f"matrix can: the largest ratio it allows is {largest:.6g}") from None
+
+
 def max_useful_rank(d_in: int, d_out: int, junction: bool = True) -> int:
     """Largest r whose stored weights are strictly fewer than the dense d_in · d_out.
 

@@ -45,7 +45,7 @@ from ..config import CompressConfig
 from ..eval.resources import release_free_heap_memory
 from ..linalg.moments import damped
 from ..linalg.preconditioners import symmetric_power
-from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction
+from ..linalg.ranks import factor_param_count, max_useful_rank, rank_for_keep_fraction, rank_for_ratio
 from ..linalg.svd import build_preconditioner, cheapest_weighted_svd, output_side_svd, uses_output_side
 from .calibration import LayerStream, collect_input_moments
 from .distill import DistillationLoss
@@ -282,8 +282,8 @@ def uniform_plan(model: nn.Module, adapter, config: CompressConfig, targets: lis
         for name in targets:
             linear = adapter.get_linear(layer, name)
             try:
-                plan[(index, name)] = rank_for_keep_fraction(linear.in_features, linear.out_features,
-                                                             1.0 - config.ratio, junction=config.junction)
+                plan[(index, name)] = rank_for_ratio(linear.in_features, linear.out_features, config.ratio,
+                                                     junction=config.junction)
             except ValueError as error:
                 raise ValueError(f"layer {index} {name} ({linear.out_features}x{linear.in_features}): {error}") from None
     return plan
@@ -366,7 +366,7 @@ def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, imp
     # The budget is what uniform allocation stores at this ratio (each rank rounded down), so that a
     # global plan is compared with uniform at the same parameter count, never with more.
     budget = sum(factor_param_count(item.d_in, item.d_out,
-                                    rank_for_keep_fraction(item.d_in, item.d_out, 1.0 - config.ratio, config.junction),
+                                    rank_for_ratio(item.d_in, item.d_out, config.ratio, config.junction),
                                     config.junction) for item in items.values())
     min_ranks = None
     if config.allocation_min_keep > 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 
-from ..linalg.ranks import factor_param_count, rank_for_keep_fraction
+from ..linalg.ranks import factor_param_count, rank_for_ratio
 
 __all__ = ["MIN_STEP_SECONDS", "allocate_time", "latency_plan"]
 
@@ -96,7 +96,7 @@ def latency_plan(items: dict, config, forms, gains: dict, min_ranks: dict | None
                                      for r in range(1, limit + 1)]
         factored[key] = curves[shape]
         dense[key] = forms.dense_seconds(item.d_in, item.d_out)
-        uniform = rank_for_keep_fraction(item.d_in, item.d_out, 1.0 - config.ratio, config.junction)
+        uniform = rank_for_ratio(item.d_in, item.d_out, config.ratio, config.junction)
         budget += forms.configured_seconds(key[1], item.d_in, item.d_out, uniform)
     plan, dense_keys = allocate_time(gains, factored, dense, budget, min_ranks)
     chosen = {key: forms.best_factored(key[1], items[key].d_in, items[key].d_out, rank) for key, rank in plan.items()}

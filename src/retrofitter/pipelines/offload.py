@@ -55,8 +55,8 @@ class SafetensorsCheckpoint:
                 with safe_open(str(file), framework="pt") as handle:
                     self.files.update({key: file for key in handle.keys()})
         if not self.files:
-            raise ModelLoadError(f"{self.directory} holds no .safetensors weights (out-of-core compression reads "
-                                 f"safetensors shards only)")
+            raise ModelLoadError(f"{self.directory} holds no .safetensors weights (retrofitter reads safetensors "
+                                 f"only)")
 
     def __contains__(self, key: str) -> bool:
         return key in self.files

@@ -12,13 +12,20 @@ Policy: a directory that holds the progress of a *different* run (other settings
 data, other model) is neither reused nor deleted: ``ResumeMismatchError`` names it, so finished work
 is never thrown away silently. Every file is written to a temporary sibling and renamed, so an
 interrupted write never leaves a truncated file behind.
+
+Ownership: retrofitter removes only what it created. A work directory is taken only when it is new, empty
+or already a retrofitter work directory (``check_work_dir``, before any work: a folder of the user's is
+refused, never used). The first write marks it (``.retrofitter-work``, recording whether retrofitter
+created the directory); ``remove_work_dir`` deletes only retrofitter's own file names in a marked directory
+(the progress record, ``*.safetensors``, temporary ``.*.tmp`` files, the marker), then the subdirectories
+that became empty, and the directory itself only when retrofitter created it and nothing else is left.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
 from pathlib import Path
 
 import torch
@@ -26,13 +33,77 @@ from safetensors.torch import load_file, save_file
 
 from ..data.cache import atomic_write_text
 
-__all__ = ["ResumeMismatchError", "RunDirectory", "fingerprint"]
+__all__ = ["ResumeMismatchError", "UnsafeWorkDirError", "RunDirectory", "fingerprint", "check_work_dir",
+           "remove_work_dir", "WORK_MARKER"]
 
 PROGRESS_FILE = "progress.json"
+WORK_MARKER = ".retrofitter-work"
 
 
 class ResumeMismatchError(ValueError):
     """The work directory holds the progress of another run."""
+
+
+class UnsafeWorkDirError(ValueError):
+    """A work directory would be a folder that holds files retrofitter did not write."""
+
+
+def is_work_dir(path) -> bool:
+    """Whether ``path`` is a directory retrofitter marked as its work directory (or an older run's, which left
+    only its progress record as the sign)."""
+    path = Path(path)
+    return path.is_dir() and ((path / WORK_MARKER).is_file() or (path / PROGRESS_FILE).is_file())
+
+
+def check_work_dir(path, what: str = "work directory") -> None:
+    """Raise ``UnsafeWorkDirError`` naming ``what`` unless ``path`` may be used as a work directory: it does not
+    exist, is an empty directory, or is a retrofitter work directory already (to resume). Creates nothing."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise UnsafeWorkDirError(f"{what} {path}: exists and is not a directory; choose a new or empty directory")
+    if is_work_dir(path):
+        return
+    foreign = next(iter(sorted(p.name for p in path.iterdir())), None)
+    if foreign is not None:
+        raise UnsafeWorkDirError(f"{what} {path}: holds files retrofitter did not write (e.g. {foreign!r}), which it "
+                                 f"would mix with its own; choose a new or empty directory")
+
+
+def _is_own_file(name: str) -> bool:
+    return (name in (PROGRESS_FILE, WORK_MARKER) or name.endswith(".safetensors")
+            or (name.startswith(".") and ".tmp" in name))
+
+
+def remove_work_dir(path) -> bool:
+    """Remove what retrofitter wrote in the work directory ``path`` (module docstring: Ownership); a directory
+    without the mark is left as it is. Returns whether ``path`` itself was removed."""
+    path = Path(path)
+    if not is_work_dir(path):
+        return False
+    marker = path / WORK_MARKER
+    try:
+        created = bool(json.loads(marker.read_text()).get("created", False)) if marker.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        created = False
+    for directory, subdirectories, files in os.walk(path, topdown=False):  # never follows symlinks
+        for name in files:
+            if _is_own_file(name):
+                Path(directory, name).unlink(missing_ok=True)
+        for name in subdirectories:
+            child = Path(directory, name)
+            if not child.is_symlink():
+                _remove_if_empty(child)
+    return created and _remove_if_empty(path)
+
+
+def _remove_if_empty(directory: Path) -> bool:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty: something retrofitter did not write is in it
+        return False
+    return True
 
 
 def fingerprint(*parts) -> str:
@@ -52,6 +123,18 @@ class RunDirectory:
     def __init__(self, path, run_fingerprint: str):
         self.path = Path(path)
         self.fingerprint = run_fingerprint
+        check_work_dir(self.path)
+
+    def _ensure(self) -> None:
+        """Create and mark the directory on the first write; every directory created on the way is marked as
+        created by retrofitter (so the top one of ``.OUT.partial/rank0`` is removed too)."""
+        if (self.path / WORK_MARKER).is_file():
+            return
+        new = [self.path, *(p for p in self.path.parents if not p.exists())] if not self.path.exists() else []
+        self.path.mkdir(parents=True, exist_ok=True)
+        for directory in new or [self.path]:
+            if not (directory / WORK_MARKER).is_file():
+                atomic_write_text(directory / WORK_MARKER, json.dumps({"created": bool(new)}))
 
     def _progress_path(self) -> Path:
         return self.path / PROGRESS_FILE
@@ -68,7 +151,7 @@ class RunDirectory:
         return progress["state"]
 
     def save_progress(self, state: dict) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._ensure()
         atomic_write_text(self._progress_path(), json.dumps({"fingerprint": self.fingerprint, "state": state},
                                                             sort_keys=True))
 
@@ -76,6 +159,7 @@ class RunDirectory:
         return self.path / f"{name}.safetensors"
 
     def save_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._ensure()
         target = self.tensors_path(name)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp")
@@ -87,4 +171,5 @@ class RunDirectory:
         return load_file(str(self.tensors_path(name)), device="cpu" if device.type == "cpu" else str(device))
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove what this run wrote (``remove_work_dir``)."""
+        remove_work_dir(self.path)
