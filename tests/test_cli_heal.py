@@ -99,7 +99,7 @@ def test_compressed_mlps_with_linearized_attention_then_one_distillation(compres
     again, _ = retrofitter.load(healed)
     with torch.no_grad():
         ids = torch.randint(3, 60, (2, 40), generator=torch.Generator().manual_seed(0))
-        assert torch.equal(again(ids).logits, model(ids).logits)
+        assert torch.equal(again(ids).logits, model(ids).logits)  # one directory loaded twice: same kernels, bitwise
     ids = tokenizer("a truth", return_tensors="pt").input_ids
     generated = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert generated.shape[1] == ids.shape[1] + 5

@@ -32,8 +32,13 @@ def base(tmp_path_factory):
     corpus = root / "corpus.txt"
     corpus.write_text(SAMPLE_TEXT * 3)
     compressed = root / "compressed"
-    assert main(["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
-                 "--seq-len", "32", "--out", str(compressed), "--no-eval", "--quiet"]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every test runs (conftest), so that the reruns below are bitwise comparable
+    try:
+        assert main(["compress", str(model_dir), "--ratio", "0.3", "--calib", str(corpus), "--calib-samples", "4",
+                     "--seq-len", "32", "--out", str(compressed), "--no-eval", "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     save_tiny_model_dir(root / "other-architecture", "qwen2")  # the same vocabulary, another family
     _smaller_vocabulary(_copy(model_dir, root / "other-vocabulary"))
     return root, model_dir, corpus, compressed
@@ -273,7 +278,8 @@ def _compress_argv(model_dir, corpus, out) -> list[str]:
 def test_two_runs_on_one_output_one_wins_the_other_fails_at_once(base, tmp_path):
     root, model_dir, corpus, compressed = base
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # one thread, as `base` ran: the same kernels on the same machine, so bitwise
     # The first run is made slow (its layer fit waits on a file) so that it holds the lock.
     gate = tmp_path / "gate"
     code = ("import sys, time, pathlib; import retrofitter.pipelines.local_svd as m; fit = m.LocalSVDStrategy.fit_layer\n"
@@ -330,7 +336,7 @@ def test_disk_full_at_save_keeps_the_partial_run_and_a_rerun_resumes(base, tmp_p
     assert fits == []  # every layer came from the partial run
     assert not partial.exists()
     solo, resumed = load_file(str(compressed / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert all(torch.equal(solo[k], resumed[k]) for k in solo)
+    assert all(torch.equal(solo[k], resumed[k]) for k in solo)  # one thread both times, same machine: bitwise
 
 
 def test_output_directories_get_normal_permissions(base, tmp_path):
@@ -360,3 +366,22 @@ def test_quiet_prints_no_progress_bar_of_ours_or_of_the_libraries(base, tmp_path
     assert "it/s" not in err and "%|" not in err, err
     assert main(["eval", str(tmp_path / "out"), "--ppl", str(corpus), "--seq-len", "32"]) == 0
     assert "%|" in capsys.readouterr().err  # without --quiet the bars are there (the check above can fail)
+
+
+def test_report_over_a_results_json_with_a_wrong_typed_field(base, tmp_path, capsys):
+    _, model_dir, corpus, _ = base
+    good = tmp_path / "good.json"
+    assert main(["eval", str(model_dir), "--ppl", str(corpus), "--seq-len", "32", "--json", str(good), "--quiet"]) == 0
+    record = json.loads(good.read_text())
+    record["ppl"] = "not a number"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "bad.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.json: a field of the wrong type" in err[0] and "internal" not in err[0], err
+    assert not (tmp_path / "rep").exists()  # no empty output folder
+    (tmp_path / "runs" / "good.json").write_text(good.read_text())  # one bad file costs its rows, not the report
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "skipped" in report and "bad.json: a field of the wrong type" in report

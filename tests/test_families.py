@@ -54,6 +54,7 @@ def check_save_load(model, tmp_path, metadata):
     expected = logits(model, ids)
     save_retrofitted(model, tmp_path / "m", metadata)
     loaded = load_retrofitted(tmp_path / "m")
+    # same float32 weights (copied into freshly allocated parameters), same modules, same shapes: bitwise
     torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=0)
     return loaded
 

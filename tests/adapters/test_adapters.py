@@ -38,6 +38,7 @@ def test_linear_groups_share_their_input(tiny_model, random_ids):
         h.remove()
     for group in adapter.linear_groups:
         for name in group[1:]:
+            # one tensor handed to every projection of the group (no arithmetic between them): bitwise
             assert torch.equal(seen[group[0]].reshape(-1), seen[name].reshape(-1)), (group, name)
 
 
@@ -125,6 +126,8 @@ def test_splitting_fused_projections_keeps_the_model_bit_identical(tiny_model, r
         layers = adapter.decoder_layers(tiny_model)
         layers = adapter.decoder_layers(tiny_model)  # idempotent
         after = tiny_model(random_ids, use_cache=False).logits
+    # bitwise by construction: unhooked dense parts run as one F.linear with the re-assembled fused weight (the
+    # original values, shape and layout: tests/modules/test_fused_projection.py), the call the fused nn.Linear made
     assert torch.equal(before, after)
     for fused in adapter.fused:
         assert list(layers[0].get_submodule(fused.path).part_names) == list(fused.parts)

@@ -75,7 +75,7 @@ def test_state_dict_round_trip_into_empty_module():
         assert set(state) == expected
         empty = LatentLinear(7, 4, 3, junction=junction, bias=True, dtype=torch.float64)
         empty.load_state_dict(state)
-        torch.testing.assert_close(empty(x), module(x), rtol=0, atol=0)
+        torch.testing.assert_close(empty(x), module(x), rtol=0, atol=0)  # copied tensors, same forward: bitwise
 
 
 def test_from_factors_and_errors():
@@ -135,4 +135,5 @@ def test_dense_to_factored_at_full_rank_is_exact_and_forms_round_trip_save_load(
     loaded = load_retrofitted(tmp_path / "m")
     loaded_layer = adapter_for(loaded).decoder_layers(loaded)[0]
     assert {name: factor_form(adapter.get_linear(loaded_layer, name)) for name in forms} == forms
+    # same float32 weights (copied into freshly allocated parameters), same forms and modules, same shapes: bitwise
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)

@@ -182,4 +182,6 @@ def test_default_fits_read_the_plans_statistics_and_equal_the_two_pass_loop(fami
     assert all(layer["passes"] == 1 for layer in report["layers"])
     expected = two_pass.state_dict()
     for key, tensor in one_pass.state_dict().items():
-        assert torch.equal(tensor, expected[key]), key  # the same sums, so the same factors bit for bit
+        # the same sums (one pass, same batches and order), then the same functions on them (the plan's SVD is
+        # "the fit's own computation", pipelines/allocation.py), in this process: the same factors bit for bit
+        assert torch.equal(tensor, expected[key]), key

@@ -83,6 +83,8 @@ def test_fastest_with_a_junction_plan_keeps_the_junction(monkeypatch):
                                    progress=False)
     assert all(factor_form(m) == "junction" for m in _modules(model).values())
     default, default_report = compress_model(build_tiny("llama"), CompressConfig(ratio=0.3), ids, progress=False)
+    # the junction everywhere = no re-forming: the default's fits (test_compress: one pass = two passes bit for
+    # bit), the same modules and kernels: bitwise
     torch.testing.assert_close(_logits(model, ids), _logits(default, ids), rtol=0, atol=0)
     assert "factor_forms" not in default_report and "form" not in default_report["layers"][0]["matrices"]["q"]
 

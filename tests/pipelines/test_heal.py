@@ -96,6 +96,7 @@ def test_heal_resumes_after_an_interruption_and_ends_where_an_uninterrupted_run_
     teacher, student = pair()
     again, report = heal_model(student, teacher, blocks(), cfg, work_dir=tmp_path / "work", progress=False)
     assert report["stopped_by"] == "tokens" and report["resumed_from_step"] == 6
+    # the finished run's saved adapters (bit for bit) merged into the same student by the same kernels: bitwise
     assert all(torch.equal(again.state_dict()[k], v) for k, v in resumed.state_dict().items())
 
 
@@ -159,6 +160,7 @@ def test_two_process_torchrun_heal_keeps_ranks_in_sync(tmp_path):
     assert reports[0] == reports[1] == {"processes": 2, "steps": 2, "tokens": 256}  # 8 blocks of 32, 2 x batch 2
     weights = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(2)]
     _, untouched = pair()
+    # both ranks apply the same all-reduced gradients with the same kernels to the same weights: bitwise
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not torch.equal(weights[0]["model.layers.0.self_attn.q_proj.up"],
                            untouched.state_dict()["model.layers.0.self_attn.q_proj.up"])

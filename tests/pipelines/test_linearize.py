@@ -151,6 +151,7 @@ def test_linearize_save_load_round_trip_gives_identical_logits_and_generates(tmp
     loaded = load_retrofitted(tmp_path / "out")
     tokens = blocks(2, 20, seed=5)
     with torch.no_grad():
+        # same float32 weights (copied into freshly allocated parameters), same modules, same shapes: bitwise
         assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
         assert loaded.generate(input_ids=tokens[:, :6], max_new_tokens=4, do_sample=False, pad_token_id=0).shape == (2, 10)
     assert list(hybrid_attention_modules(loaded)) == [1]
@@ -218,6 +219,7 @@ def test_two_process_gloo_lora_run_keeps_ranks_in_sync(tmp_path):
     assert reports[0] == reports[1] == {"processes": 2, "steps": 2}  # 8 blocks, 2 ranks, batch 2
     weights = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(2)]
     base = build_tiny("llama").state_dict()
+    # both ranks apply the same all-reduced gradients with the same kernels to the same weights: bitwise
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not torch.equal(weights[0]["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
@@ -231,7 +233,7 @@ def test_keep_softmax_top_restores_the_worst_transfer_layers_exactly_and_round_t
     every = config(keep_softmax_top=2, lora_tokens=0)
     restored_all, report = linearize_model(build_tiny("llama"), every, blocks(), None, progress=False)
     assert report["restored_softmax_layers"] == [0, 1] and not hybrid_attention_modules(restored_all)
-    with torch.no_grad():  # every layer back to softmax: the original model, bit for bit
+    with torch.no_grad():  # every layer back to softmax: the original modules and weights, bit for bit
         assert torch.equal(restored_all(input_ids=tokens).logits, reference)
 
     model, report = linearize_model(build_tiny("llama"), config(keep_softmax_top=1, lora_tokens=0), blocks(), None,
@@ -245,7 +247,7 @@ def test_keep_softmax_top_restores_the_worst_transfer_layers_exactly_and_round_t
 
     loaded = load_retrofitted(tmp_path / "out")
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+        assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)  # a round trip: bitwise
     assert list(hybrid_attention_modules(loaded)) == [1 - worst]
 
 

@@ -43,6 +43,7 @@ def test_non_finite_moments_are_refused_with_the_layer_named(tmp_path):
 def test_state_dict_round_trip_and_inconsistent_state():
     original = _accumulator(5, 2)
     copy = SecondMomentAccumulator.from_state_dict(original.state_dict())
+    # copied sums, the same computation on them: bitwise
     assert torch.equal(copy.covariance(), original.covariance()) and copy.count == original.count
     copy.update(torch.ones(2, 5))  # the copy owns its sums
     assert copy.count == original.count + 2
@@ -68,6 +69,6 @@ def test_weighted_svds_round_trip_bit_exact(tmp_path):
                 assert torch.equal(getattr(loaded[name], part), getattr(original, part)), (name, part)
             for rank in (1, 3):
                 for got, want in zip(loaded[name].factors(rank), original.factors(rank)):
-                    assert torch.equal(got, want)
+                    assert torch.equal(got, want)  # slices and one elementwise product of copies: bitwise
         with pytest.raises(KeyError, match="layer 2"):
             spill.weighted_svds(2)

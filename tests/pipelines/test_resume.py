@@ -62,3 +62,14 @@ def test_a_marked_directory_resumes_and_an_older_run_directory_is_still_recognis
     check_work_dir(tmp_path / "work")
     assert not remove_work_dir(tmp_path / "work")  # not known to be created by retrofitter: kept, emptied
     assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_damaged_saved_work_is_named_with_what_to_do(tmp_path):
+    run = RunDirectory(tmp_path / "work", "abc")
+    _fill(run)
+    (tmp_path / "work" / "layer_0.safetensors").write_bytes(b"\x00" * 5)
+    with pytest.raises(ValueError, match=r"layer_0.safetensors: the saved work cannot be read back .* delete"):
+        run.load_tensors("layer_0")
+    (tmp_path / "work" / "progress.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"progress.json: unreadable progress record .* to start over"):
+        run.load_progress()

@@ -143,7 +143,13 @@ class RunDirectory:
         """The saved state of this run, or None when nothing was saved yet."""
         if not self._progress_path().exists():
             return None
-        progress = json.loads(self._progress_path().read_text())
+        try:
+            progress = json.loads(self._progress_path().read_text())
+            if not isinstance(progress, dict) or not isinstance(progress.get("state"), dict):
+                raise ValueError("not a progress record")
+        except (OSError, ValueError) as error:
+            raise ResumeMismatchError(f"{self._progress_path()}: unreadable progress record ({error}); delete "
+                                      f"{self.path} to start over") from None
         if progress.get("fingerprint") != self.fingerprint:
             raise ResumeMismatchError(
                 f"{self.path} holds the unfinished work of a different run (other settings, calibration data or "
@@ -168,7 +174,11 @@ class RunDirectory:
 
     def load_tensors(self, name: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         device = torch.device(device)  # safetensors refuses "cpu:0" (accelerate's CPU device under torchrun)
-        return load_file(str(self.tensors_path(name)), device="cpu" if device.type == "cpu" else str(device))
+        try:
+            return load_file(str(self.tensors_path(name)), device="cpu" if device.type == "cpu" else str(device))
+        except Exception as error:  # noqa: BLE001 — safetensors raises its own error type for damaged files
+            raise ResumeMismatchError(f"{self.tensors_path(name)}: the saved work cannot be read back ({error}); "
+                                      f"delete {self.path} to start over") from None
 
     def remove(self) -> None:
         """Remove what this run wrote (``remove_work_dir``)."""
