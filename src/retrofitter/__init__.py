@@ -1,16 +1,16 @@
 """retrofitter: convert a pretrained Transformer LM into a cheaper architecture without pre-training.
 
 Public API (lazy, so ``import retrofitter`` stays cheap):
-``compress``, ``linearize``, ``heal``, ``evaluate``, ``quantize``, ``load``, ``save``, ``CompressConfig``,
-``LinearizeConfig``, ``HealConfig``.
+``compress``, ``convert_to_mla``, ``linearize``, ``heal``, ``evaluate``, ``quantize``, ``load``, ``save``, ``CompressConfig``,
+``LinearizeConfig``, ``HealConfig``, ``MLAConfig``.
 """
 
 from .version import __version__
 
-__all__ = ["__version__", "compress", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model",
-           "CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig"]
+__all__ = ["__version__", "compress", "convert_to_mla", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model",
+           "CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig", "MLAConfig"]
 
-_API_NAMES = {"compress", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model"}
+_API_NAMES = {"compress", "convert_to_mla", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model"}
 _CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig"}
 
 
@@ -19,6 +19,10 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name == "MLAConfig":  # registered next to its pipeline
+        from .pipelines.mla import MLAConfig
+
+        return MLAConfig
     if name in _CONFIG_NAMES:
         from . import config
 

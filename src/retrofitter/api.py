@@ -21,7 +21,7 @@ from .pipelines.offload import load_as_copies
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core"]
+           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -209,6 +209,19 @@ def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor
 
     return compress_model(model, config, calibration, progress=progress, checkpoint_dir=checkpoint_dir,
                           remove_checkpoint=remove_checkpoint, parallel=parallel or SINGLE_PROCESS)
+
+
+def convert_to_mla(model: nn.Module, config=None, calibration: torch.Tensor | None = None,
+                   progress: bool = True) -> tuple[nn.Module, dict]:
+    """Convert every attention layer of ``model`` to Multi-head Latent Attention in place (training-free, on
+    ``calibration`` token blocks [n, seq_len]); ``config`` is a ``pipelines.mla.MLAConfig`` (default KV 0.25).
+    Returns ``(model, report)``."""
+    from .pipelines.mla import MLAConfig
+    from .pipelines.mla import convert_to_mla as convert
+
+    if calibration is None:
+        raise ValueError("convert_to_mla needs calibration token blocks [n, seq_len]")
+    return convert(model, config or MLAConfig(), calibration, progress=progress)
 
 
 def teacher_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8, progress: bool = True) -> dict:

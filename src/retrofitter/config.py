@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES",
-           "SHARDING_MODES"]
+           "SHARDING_MODES", "option", "JsonRoundTrip"]
 
 # compress --method -> preconditioner of the local activation-aware SVD (design.md §3, paper Table 1)
 COMPRESS_METHODS: dict[str, str] = {
@@ -37,12 +37,12 @@ BUDGETS = ("params", "latency")
 ALLOCATION_WEIGHTINGS = ("relative", "absolute", "sqrt_relative", "fisher")
 
 
-def _option(default, help: str, choices=None):
+def option(default, help: str, choices=None):
     """A config field with the help text (and choices) of its command-line flag: defined once, here."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-class _JsonRoundTrip:
+class JsonRoundTrip:
     def _check_finite(self) -> None:
         """NaN or Inf in a number field is refused by name (it would surface deep in the math otherwise)."""
         for f in dataclasses.fields(self):
@@ -72,7 +72,7 @@ DEFAULT_STATISTICS: dict[str, str] = {"latentllm": "compressed"}
 
 
 @dataclass(frozen=True)
-class CompressConfig(_JsonRoundTrip):
+class CompressConfig(JsonRoundTrip):
     """Settings of ``retrofitter.compress``.
 
     ratio: fraction of the compressible linear parameters removed (0 < ratio < 1).
@@ -96,51 +96,51 @@ class CompressConfig(_JsonRoundTrip):
       statistics, off for uniform allocation and for teacher statistics.
     """
 
-    ratio: float = _option(0.2, "fraction of the linear-layer parameters removed, in (0, 1)")
-    method: str = _option("asvd-rootcov", "compression method", choices=tuple(COMPRESS_METHODS))
-    junction: bool = _option(True, "block-identity factors, r(d+d')-r^2 parameters (--no-junction: plain B, A)")
-    statistics: str | None = _option(None, "calibrate layer l on the compressed model's activations (compressed), "
+    ratio: float = option(0.2, "fraction of the linear-layer parameters removed, in (0, 1)")
+    method: str = option("asvd-rootcov", "compression method", choices=tuple(COMPRESS_METHODS))
+    junction: bool = option(True, "block-identity factors, r(d+d')-r^2 parameters (--no-junction: plain B, A)")
+    statistics: str | None = option(None, "calibrate layer l on the compressed model's activations (compressed), "
                                      "on the original's (teacher), or fit the compressed model's inputs to the "
                                      "original's outputs (teacher_target: error feedback); default: "
                                      "teacher for the local methods, compressed for latentllm",
                                      choices=STATISTICS)
-    damping: float = _option(1e-2, "lambda in C + lambda*mean(diag C)*I")
-    targets: tuple[str, ...] = _option((), "comma-separated projections to compress (default all)")
-    allocation: str | None = _option(None, "uniform: every matrix keeps 1-ratio of its parameters; global: one "
+    damping: float = option(1e-2, "lambda in C + lambda*mean(diag C)*I")
+    targets: tuple[str, ...] = option((), "comma-separated projections to compress (default all)")
+    allocation: str | None = option(None, "uniform: every matrix keeps 1-ratio of its parameters; global: one "
                                      "budget by water-filling, ranks priced by --allocation-weighting (default)",
                                      choices=("uniform", "global"))
-    batch_size: int = _option(8, "calibration batch size")
-    joint_qk: bool = _option(True, "latentllm: joint QK (Tucker) decomposition")
-    joint_vo: bool = _option(False, "latentllm: joint VO decomposition")
-    joint_mlp: bool = _option(True, "latentllm: down projection refitted to the compressed MLP intermediate")
-    down_fit: str = _option("anchored", "latentllm joint MLP: how down is fitted to the compressed intermediate: "
+    batch_size: int = option(8, "calibration batch size")
+    joint_qk: bool = option(True, "latentllm: joint QK (Tucker) decomposition")
+    joint_vo: bool = option(False, "latentllm: joint VO decomposition")
+    joint_mlp: bool = option(True, "latentllm: down projection refitted to the compressed MLP intermediate")
+    down_fit: str = option("anchored", "latentllm joint MLP: how down is fitted to the compressed intermediate: "
                             "anchored (damping pulls the map towards W_d), ridge (towards zero, the paper's "
                             "regression), select (per layer, anchored or local rootcov, whichever has the "
                             "smaller error on held-out calibration batches)", choices=DOWN_FITS)
-    qk_iterations: int = _option(8, "latentllm: joint QK alternating eigen-updates")
-    vo_iterations: int = _option(8, "latentllm: joint VO alternating eigen-updates")
-    refit_within_layer: bool | None = _option(None, "statistics of each projection group after the groups before "
+    qk_iterations: int = option(8, "latentllm: joint QK alternating eigen-updates")
+    vo_iterations: int = option(8, "latentllm: joint VO alternating eigen-updates")
+    refit_within_layer: bool | None = option(None, "statistics of each projection group after the groups before "
                                               "it in the layer were replaced (default: on for latentllm and "
                                               "global allocation)")
-    mlp_algorithm: str = _option("streaming", "latentllm: joint MLP algorithm", choices=("streaming", "auxiliary"))
-    mlp_iterations: int = _option(4, "latentllm auxiliary MLP: iterations")
-    mlp_aux_tokens: int = _option(8192, "latentllm auxiliary MLP: token subsample (it holds activations)")
-    latent_attention: bool = _option(True, "latentllm: latent k/v cache (--no-latent-attention: HF attention over "
+    mlp_algorithm: str = option("streaming", "latentllm: joint MLP algorithm", choices=("streaming", "auxiliary"))
+    mlp_iterations: int = option(4, "latentllm auxiliary MLP: iterations")
+    mlp_aux_tokens: int = option(8192, "latentllm auxiliary MLP: token subsample (it holds activations)")
+    latent_attention: bool = option(True, "latentllm: latent k/v cache (--no-latent-attention: HF attention over "
                                      "factored projections)")
-    allocation_weighting: str = _option("fisher", "global allocation: how errors of different matrices compare "
+    allocation_weighting: str = option("fisher", "global allocation: how errors of different matrices compare "
                                         "(fisher: priced by the loss gradient at each matrix's output)",
                                         choices=ALLOCATION_WEIGHTINGS)
-    allocation_min_keep: float = _option(0.0, "global allocation: each matrix keeps at least this fraction")
-    allocation_gradient_blocks: int = _option(8, "fisher weighting: calibration blocks of the backward passes")
-    kv_ratio: float | None = _option(None, "global allocation: the latent k/v widths cache at most this fraction of "
+    allocation_min_keep: float = option(0.0, "global allocation: each matrix keeps at least this fraction")
+    allocation_gradient_blocks: int = option(8, "fisher weighting: calibration blocks of the backward passes")
+    kv_ratio: float | None = option(None, "global allocation: the latent k/v widths cache at most this fraction of "
                                      "the original's k/v numbers per token (second budget, solved with the first)")
-    factor_forms: str = _option("junction", "how each factored matrix runs: junction (the --junction/--no-junction "
+    factor_forms: str = option("junction", "how each factored matrix runs: junction (the --junction/--no-junction "
                                 "form, for every matrix) or fastest (the fastest allowed form by a cost model timed "
                                 "on this machine, eval/form_cost.py)", choices=FACTOR_FORM_CHOICES)
-    budget: str = _option("params", "global allocation priced in stored parameters (params) or in modelled "
+    budget: str = option("params", "global allocation priced in stored parameters (params) or in modelled "
                           "prefill time (latency: the time of the uniform plan at --ratio; matrices that run "
                           "faster dense stay dense)", choices=BUDGETS)
-    latency_tokens: int = _option(512, "tokens of the prefill whose time the cost model predicts (--budget latency, "
+    latency_tokens: int = option(512, "tokens of the prefill whose time the cost model predicts (--budget latency, "
                                   "--factor-forms fastest)")
 
     def __post_init__(self):
@@ -211,7 +211,7 @@ class CompressConfig(_JsonRoundTrip):
 
 
 @dataclass(frozen=True)
-class LinearizeConfig(_JsonRoundTrip):
+class LinearizeConfig(JsonRoundTrip):
     """Settings of ``retrofitter.linearize`` (LoLCATs, design.md §4).
 
     Hybrid layer: ``feature_map`` (hedgehog, t2r, elu), ``feature_dim`` (projection width; hedgehog
@@ -233,35 +233,35 @@ class LinearizeConfig(_JsonRoundTrip):
       their softmax attention back (needs stage 1).
     """
 
-    feature_map: str = _option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
-    feature_dim: int = _option(64, "feature-map projection width (hedgehog gives 2x features)")
-    window: int = _option(64, "softmax window: sliding width or terraced tile")
-    window_kind: str = _option("terraced", "softmax window kind (ops/hybrid_common.py WINDOW_KINDS)")
-    linear_weight: str = _option("one", "weight of the linear terms: one or one_minus_gamma")
-    mix_init: float = _option(-2.2, "initial theta of the mixing weight gamma = sigmoid(theta)")
-    transfer_tokens: int = _option(200_000, "stage 1 (attention transfer) training tokens; 0 skips it")
-    lora_tokens: int = _option(100_000, "stage 2 (LoRA) training tokens; 0 skips it")
-    seq_len: int = _option(512, "training block length")
-    batch_size: int = _option(1, "training batch size")
-    transfer_lr: float = _option(1e-2, "stage 1 learning rate")
-    transfer_epochs: int = _option(1, "stage 1 epochs")
-    transfer_mode: str = _option("joint", "stage 1: joint (teacher forward of the whole model per batch) or "
+    feature_map: str = option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
+    feature_dim: int = option(64, "feature-map projection width (hedgehog gives 2x features)")
+    window: int = option(64, "softmax window: sliding width or terraced tile")
+    window_kind: str = option("terraced", "softmax window kind (ops/hybrid_common.py WINDOW_KINDS)")
+    linear_weight: str = option("one", "weight of the linear terms: one or one_minus_gamma")
+    mix_init: float = option(-2.2, "initial theta of the mixing weight gamma = sigmoid(theta)")
+    transfer_tokens: int = option(200_000, "stage 1 (attention transfer) training tokens; 0 skips it")
+    lora_tokens: int = option(100_000, "stage 2 (LoRA) training tokens; 0 skips it")
+    seq_len: int = option(512, "training block length")
+    batch_size: int = option(1, "training batch size")
+    transfer_lr: float = option(1e-2, "stage 1 learning rate")
+    transfer_epochs: int = option(1, "stage 1 epochs")
+    transfer_mode: str = option("joint", "stage 1: joint (teacher forward of the whole model per batch) or "
                                  "blockwise (teacher inputs cached per layer, resumable)",
                                  choices=("joint", "blockwise"))
-    lora_lr: float = _option(1e-4, "stage 2 learning rate")
-    lora_rank: int = _option(8, "stage 2 LoRA rank")
-    lora_alpha: int = _option(16, "stage 2 LoRA alpha")
-    lora_dropout: float = _option(0.0, "stage 2 LoRA dropout (must be 0: the LoRA factors are merged per tensor)")
-    lora_loss: str = _option("kl", "stage 2 objective: kl (distillation from the original model) or next_token",
+    lora_lr: float = option(1e-4, "stage 2 learning rate")
+    lora_rank: int = option(8, "stage 2 LoRA rank")
+    lora_alpha: int = option(16, "stage 2 LoRA alpha")
+    lora_dropout: float = option(0.0, "stage 2 LoRA dropout (must be 0: the LoRA factors are merged per tensor)")
+    lora_loss: str = option("kl", "stage 2 objective: kl (distillation from the original model) or next_token",
                              choices=LORA_LOSSES)
-    grad_clip: float = _option(1.0, "gradient-norm clip of both stages (0: none)")
-    gradient_checkpointing: bool = _option(True, "recompute each decoder layer in the LoRA backward (memory of "
+    grad_clip: float = option(1.0, "gradient-norm clip of both stages (0: none)")
+    gradient_checkpointing: bool = option(True, "recompute each decoder layer in the LoRA backward (memory of "
                                            "one layer's activations instead of all, ~30 %% more time)")
-    keep_softmax_layers: tuple[int, ...] = _option((), "comma-separated layer indices that keep softmax attention")
-    keep_softmax_top: int = _option(0, "after stage 1, put softmax attention back in the K hybrid layers with the "
+    keep_softmax_layers: tuple[int, ...] = option((), "comma-separated layer indices that keep softmax attention")
+    keep_softmax_top: int = option(0, "after stage 1, put softmax attention back in the K hybrid layers with the "
                                     "largest attention-transfer error (0: none)")
-    seed: int = _option(0, "random seed")
-    lora_sharding: str = _option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
+    seed: int = option(0, "random seed")
+    lora_sharding: str = option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
                                  choices=SHARDING_MODES)
 
     def __post_init__(self):
@@ -343,7 +343,7 @@ LINEARIZE_PRESETS: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
-class EvalConfig(_JsonRoundTrip):
+class EvalConfig(JsonRoundTrip):
     """Settings of ``retrofitter.evaluate``."""
 
     corpora: tuple[str, ...] = ("wiki-eval",)
@@ -365,7 +365,7 @@ class EvalConfig(_JsonRoundTrip):
 
 
 @dataclass(frozen=True)
-class HealConfig(_JsonRoundTrip):
+class HealConfig(JsonRoundTrip):
     """Settings of ``retrofitter.heal`` (pipelines/heal.py): LoRA distillation of a converted model.
 
     The student (the converted model) learns the teacher's (the original's) next-token distribution:
@@ -378,28 +378,28 @@ class HealConfig(_JsonRoundTrip):
     written every ``checkpoint_every`` steps.
     """
 
-    tokens: int = _option(65_536, "training tokens, all processes together (0: --minutes alone)")
-    minutes: float = _option(0.0, "training time budget in minutes (0: --tokens alone); the first budget spent stops")
-    seq_len: int = _option(512, "training block length")
-    batch_size: int = _option(1, "blocks per step and process")
-    lr: float = _option(5e-4, "peak AdamW learning rate")
-    warmup_steps: int = _option(10, "linear warm-up steps")
-    min_lr_ratio: float = _option(0.1, "the cosine schedule ends at this fraction of --lr")
-    lora_rank: int = _option(16, "LoRA rank")
-    lora_alpha: float = _option(32.0, "LoRA alpha (scale alpha / rank)")
-    nll_weight: float = _option(0.0, "weight of the next-token loss mixed with the KL (0: KL alone, 1: next-token alone)")
-    temperature: float = _option(1.0, "distillation temperature tau")
-    teacher_topk: int = _option(0, "cache the teacher's top-k log-probs to the work dir once (0: full teacher "
+    tokens: int = option(65_536, "training tokens, all processes together (0: --minutes alone)")
+    minutes: float = option(0.0, "training time budget in minutes (0: --tokens alone); the first budget spent stops")
+    seq_len: int = option(512, "training block length")
+    batch_size: int = option(1, "blocks per step and process")
+    lr: float = option(5e-4, "peak AdamW learning rate")
+    warmup_steps: int = option(10, "linear warm-up steps")
+    min_lr_ratio: float = option(0.1, "the cosine schedule ends at this fraction of --lr")
+    lora_rank: int = option(16, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha (scale alpha / rank)")
+    nll_weight: float = option(0.0, "weight of the next-token loss mixed with the KL (0: KL alone, 1: next-token alone)")
+    temperature: float = option(1.0, "distillation temperature tau")
+    teacher_topk: int = option(0, "cache the teacher's top-k log-probs to the work dir once (0: full teacher "
                                 "logits, the teacher runs beside the student)")
-    chunk_tokens: int = _option(256, "positions per loss chunk (memory of one chunk's logits)")
-    targets: tuple[str, ...] = _option((), "comma-separated projections to adapt (adapter names q,k,v,o,gate,up,down; "
+    chunk_tokens: int = option(256, "positions per loss chunk (memory of one chunk's logits)")
+    targets: tuple[str, ...] = option((), "comma-separated projections to adapt (adapter names q,k,v,o,gate,up,down; "
                                        "default: all of a compressed model, q,k,v,o of a linearized one)")
-    gradient_checkpointing: bool = _option(True, "recompute each decoder layer in backward (memory linear in the "
+    gradient_checkpointing: bool = option(True, "recompute each decoder layer in backward (memory linear in the "
                                            "sequence length)")
-    grad_clip: float = _option(1.0, "gradient-norm clip (0: none)")
-    checkpoint_every: int = _option(25, "steps between resume checkpoints in the work dir")
-    seed: int = _option(0, "random seed (LoRA init, data order)")
-    sharding: str = _option("ddp", "with several processes: ddp (whole student per process, averaged LoRA gradients) "
+    grad_clip: float = option(1.0, "gradient-norm clip (0: none)")
+    checkpoint_every: int = option(25, "steps between resume checkpoints in the work dir")
+    seed: int = option(0, "random seed (LoRA init, data order)")
+    sharding: str = option("ddp", "with several processes: ddp (whole student per process, averaged LoRA gradients) "
                             "or fsdp (FSDP2 fully_shard per decoder layer: student weights sharded)",
                             choices=SHARDING_MODES)
 

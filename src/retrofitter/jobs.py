@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 
-from .api import compress, compress_out_of_core, evaluate, evaluation_blocks, heal, linearize, load_model, load_tokenizer, save
+from .api import compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, heal, linearize, load_model, load_tokenizer, save
 from .checkpoint import RETROFITTER_JSON, is_retrofitted_dir, output_lock, read_retrofitter_json
 from .config import CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
@@ -29,7 +29,7 @@ from .pipelines.sequential import CalibrationError
 from .preflight import (check_context, check_outputs, check_teacher, checked_original, eval_lengths, heal_dir,
                         original_model_of, partial_dir)
 
-__all__ = ["compress_job", "linearize_job", "eval_job", "heal_job", "original_model_of", "NO_EVAL"]
+__all__ = ["compress_job", "mla_job", "linearize_job", "eval_job", "heal_job", "original_model_of", "NO_EVAL"]
 
 NO_EVAL = EvalConfig(corpora=())  # accounting only, no perplexity
 
@@ -184,6 +184,37 @@ def compress_out_of_core_job(model_name, out: Path, config, calib, calib_samples
                                 "compress_config": config.to_dict()})
     results["timings_s"].update(total=time.perf_counter() - start, compress_breakdown=report["timings_s"])
     return results
+
+
+def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, calib: str = "wiki-calib",
+            calib_samples: int = 32, seq_len: int = 512, overwrite: bool = False, dtype="float32", device="cpu",
+            progress: bool = True) -> dict:
+    """Convert ``model_name``'s attention to MLA (``config``: a ``pipelines.mla.MLAConfig``) on ``calib_samples``
+    blocks of ``seq_len`` tokens of ``calib``, save to ``out``, evaluate; the results record. Every argument is
+    checked before any work; one run at a time may write ``out``."""
+    out = Path(out)
+    if calib_samples < 1:
+        raise ValueError(f"--calib-samples must be >= 1, got {calib_samples}")
+    check_corpus(calib, "--calib")
+    check_outputs(out, overwrite, eval_config, {"MODEL": model_name, "--calib": calib}, {})
+    with output_lock(out):
+        start = time.perf_counter()
+        model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+        check_context(model, {"--seq-len": seq_len, **eval_lengths(eval_config)})
+        before = account(model)
+        calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
+        model, report = convert_to_mla(model, config, calibration, progress=progress)
+        metadata = {"method": "mla", "ratio": None, "source_model": model_name, "config": config.to_dict(),
+                    "calibration": {"corpus": calib, "blocks": calibration.shape[0], "seq_len": seq_len},
+                    "kv_rank": report["kv_rank"], "rope_dim": report["rope_dim"]}
+        save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+        results = evaluate(model, tokenizer, eval_config, progress=progress, name=model_name, method="mla",
+                           ratio=None, baseline=before)
+        results.update(out=str(out), mla={k: v for k, v in report.items() if k != "layers"}, layers=report["layers"])
+        results["settings"].update({"calib": calib, "calib_samples": calibration.shape[0], "calib_seq_len": seq_len,
+                                    "mla_config": config.to_dict()})
+        results["timings_s"].update(total=time.perf_counter() - start, convert=report["timings_s"]["total"])
+        return results
 
 
 def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: EvalConfig = NO_EVAL, *,

@@ -28,7 +28,7 @@ from .latent_cache import latent_cache_layer
 from .registry import adapter_for
 
 __all__ = ["latent_attention_from", "to_latent_attention", "latent_attention_spec", "rebuild_latent_attention",
-           "latent_cache_numbers_per_token", "LayerTypeRotary"]
+           "latent_cache_numbers_per_token", "LayerTypeRotary", "attention_resolver", "eager_kernel"]
 
 CAPABILITY = "latent_attention"
 ROLES = ("q", "k", "v", "o")
@@ -47,7 +47,7 @@ class LayerTypeRotary(nn.Module):
         return self.rotary(x, position_ids, self.layer_type)
 
 
-def _attention_resolver(config, eager: Callable) -> Callable[[], Callable]:
+def attention_resolver(config, eager: Callable) -> Callable[[], Callable]:
     """Resolve HF's attention kernel at call time (the implementation can be switched after conversion)."""
 
     def resolve():
@@ -58,7 +58,7 @@ def _attention_resolver(config, eager: Callable) -> Callable[[], Callable]:
     return resolve
 
 
-def _eager_kernel(attention: nn.Module, softcap: float | None) -> Callable:
+def eager_kernel(attention: nn.Module, softcap: float | None) -> Callable:
     """The eager kernel: Llama's, or with soft-capping the family's own (Llama's has no ``softcap``)."""
     if softcap:
         eager = getattr(sys.modules.get(type(attention).__module__), "eager_attention_forward", None)
@@ -89,7 +89,7 @@ def latent_attention_from(attention: nn.Module, model: nn.Module) -> LatentAtten
     module = LatentAttention(
         children, paths, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
         layer_idx=attention.layer_idx, scaling=attention.scaling,
-        attention_resolver=_attention_resolver(config, _eager_kernel(attention, softcap)), rotary=rotary,
+        attention_resolver=attention_resolver(config, eager_kernel(attention, softcap)), rotary=rotary,
         q_norm=getattr(attention, "q_norm", None), k_norm=getattr(attention, "k_norm", None),
         cache_layer=latent_cache_layer, softcap=softcap, sliding_window=adapter.sliding_window(attention),
         cache_kwarg=adapter.cache_kwarg)

@@ -1,7 +1,7 @@
 """Registry of replacement modules that can be saved and rebuilt (used by ``retrofitter.checkpoint``).
 
 A retrofitted model has some modules replaced (``LatentLinear`` projections, ``LatentAttention`` or
-``HybridSelfAttention`` attention, ``FusedProjection`` splits of fused projections). For each such class, ``ReplacementType`` says how to describe an
+``HybridSelfAttention`` or ``MLAAttention`` attention, ``FusedProjection`` splits of fused projections). For each such class, ``ReplacementType`` says how to describe an
 instance (``spec(module) -> dict``, written to ``retrofitter.json``) and how to rebuild an empty one of
 the same shapes (``build(spec, original, model)``: ``original`` is the module at the same path in the
 fresh model built from ``config.json``, ``model`` that fresh model); the weights are loaded afterwards.
@@ -17,8 +17,10 @@ from torch import nn
 from ..modules.fused_projection import FusedProjection
 from ..modules.latent_attention import LatentAttention
 from ..modules.latent_linear import LatentLinear
+from ..modules.mla_attention import MLAAttention
 from .hybrid_attention import HybridSelfAttention, build_from_spec
 from .latent_attention import latent_attention_spec, rebuild_latent_attention
+from .mla_attention import mla_attention_spec, rebuild_mla_attention
 
 __all__ = ["ReplacementType", "replacement_types"]
 
@@ -73,4 +75,5 @@ def replacement_types() -> dict[str, ReplacementType]:
         "HybridSelfAttention": ReplacementType(HybridSelfAttention, _hybrid_attention_spec, _hybrid_attention_build),
         "LatentAttention": ReplacementType(LatentAttention, latent_attention_spec, rebuild_latent_attention),
         "LatentLinear": ReplacementType(LatentLinear, _latent_linear_spec, _latent_linear_build),
+        "MLAAttention": ReplacementType(MLAAttention, mla_attention_spec, rebuild_mla_attention),
     }

@@ -1,4 +1,4 @@
-"""Command line: ``retrofitter {fetch,compress,linearize,heal,eval,bench,report,demo}``.
+"""Command line: ``retrofitter {fetch,compress,mla,linearize,heal,eval,bench,report,demo}``.
 
 Each command maps its flags onto one function (``jobs``, ``demo``, ``eval.bench``, ``eval.report``)
 and prints / writes what it returns. The flags of ``compress`` and ``linearize`` are generated from
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..checkpoint import check_separate_paths, check_writable
 from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
+from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, name_list, positive_int_list
 
@@ -106,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(compress)
     _add_eval_flags(compress, "--eval", "wiki-eval")
     _add_common(compress)
+
+    mla = commands.add_parser("mla", help="Multi-head Latent Attention (DeepSeek layout) by conversion: a small "
+                              "latent k/v cache with one shared rotary key, absorbed execution (training-free)")
+    mla.add_argument("model")
+    add_config_flags(mla, MLAConfig)
+    mla.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
+    mla.add_argument("--calib-samples", type=int, default=32, help="calibration blocks (default 32)")
+    mla.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
+    _add_output_flags(mla)
+    _add_eval_flags(mla, "--eval", "wiki-eval")
+    _add_common(mla)
 
     linearize = commands.add_parser("linearize", help="LoLCATs: hybrid window-softmax + linear attention, "
                                     "attention transfer then LoRA")
@@ -229,6 +241,14 @@ def cmd_compress(args) -> int:
     return _show(results, args)
 
 
+def cmd_mla(args) -> int:
+    from ..jobs import mla_job
+
+    return _show(mla_job(args.model, args.out, config_from_args(MLAConfig, args), _eval_config(args, args.seq_len),
+                         calib=args.calib, calib_samples=args.calib_samples, seq_len=args.seq_len,
+                         overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet), args)
+
+
 def cmd_heal(args) -> int:
     from ..jobs import heal_job
 
@@ -306,7 +326,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "linearize": cmd_linearize, "heal": cmd_heal,
+COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla": cmd_mla, "linearize": cmd_linearize, "heal": cmd_heal,
             "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 

@@ -36,7 +36,7 @@ def add_config_flags(parser, config_class, required=(), skip=(), choices: dict |
     """One ``--field-name`` flag per dataclass field (default None = the config's own default).
 
     Booleans get ``--x/--no-x``; tuples take comma-separated values; help and choices come from the
-    field's metadata (``config._option``), extra ``choices`` from registries the config cannot import.
+    field's metadata (``config.option``), extra ``choices`` from registries the config cannot import.
     """
     for f in dataclasses.fields(config_class):
         if f.name in skip:

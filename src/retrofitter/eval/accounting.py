@@ -135,8 +135,9 @@ def account(model: nn.Module, context: int = 512) -> Accounting:
     dtype_bytes = next(model.parameters()).element_size()
 
     head = model.get_output_embeddings()
-    projections = [adapter.get_linear(layer, name) for layer in layers for name in adapter.linear_names]
+    projections = [m for layer in layers for m in _layer_projections(adapter, layer)]
     macs = sum(_matmul_macs(m) for m in projections)
+    macs += sum(int(getattr(adapter.attention(layer), "extra_macs_per_token", lambda: 0)()) for layer in layers)
     if head is not None:
         macs += head.weight.numel()
 
@@ -163,6 +164,18 @@ def account(model: nn.Module, context: int = 512) -> Accounting:
         stored_bytes=stored_bytes(model),
         dtype=str(dtype).replace("torch.", ""),
     )
+
+
+def _layer_projections(adapter, layer: nn.Module) -> list[nn.Module]:
+    """The layer's projections: the adapter's, except that an attention module listing its own
+    (``linear_projections()``: MLA's q, kv_a, k_pe, o) replaces the adapter's q/k/v/o."""
+    attention = adapter.attention(layer)
+    if not hasattr(attention, "linear_projections"):
+        return [adapter.get_linear(layer, name) for name in adapter.linear_names]
+    prefix = f"{adapter.attention_path}."
+    others = [adapter.get_linear(layer, name) for name in adapter.linear_names
+              if not adapter.linear_paths[name].startswith(prefix)]
+    return list(attention.linear_projections()) + others
 
 
 def _config_attention(config) -> tuple[int, int, int, int] | None:

@@ -74,8 +74,18 @@ def heal_targets(model: nn.Module, names: tuple[str, ...] = ()) -> list[HealTarg
     if unknown:
         raise ValueError(f"unknown LoRA targets {unknown}; {adapter.family} projections: {list(adapter.linear_names)}")
     targets = []
+    prefix = f"{adapter.attention_path}."
     for index, layer in enumerate(layers):
+        attention = adapter.attention(layer)
+        own = hasattr(attention, "heal_tensors")  # MLA: its own projections replace the adapter's q/k/v/o
+        if own and any(adapter.linear_paths[name].startswith(prefix) for name in names):
+            where = adapter.linear_path_in_model(index, "o")[:-len(adapter.attention_output_name)]  # "...self_attn."
+            targets += [HealTarget(f"{where}{sub}{'.' if sub else ''}{tensor}", module, tensor,
+                                   f"{prefix}{sub}{'.' if sub else ''}{tensor}")
+                        for sub, module, tensor in attention.heal_tensors()]
         for name in names:
+            if own and adapter.linear_paths[name].startswith(prefix):
+                continue
             module = adapter.get_linear(layer, name)
             path = adapter.linear_path_in_model(index, name)
             if isinstance(module, LatentLinear):

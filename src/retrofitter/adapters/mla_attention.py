@@ -1,0 +1,112 @@
+"""HF wiring of ``MLAAttention`` (modules/mla_attention.py): what a family must be for the conversion, the
+module built from fitted factors (linalg/mla.py), and its rebuild by the checkpoint loader.
+
+Supported: families with the ``latent_attention`` capability whose attention uses full rotate-half RoPE and
+neither per-head q/k norms nor score soft-capping (Llama, Mistral, Qwen2, Gemma): those features are not in
+the MLA format and have no exact fold. Everything else is refused in one line before any work, naming why.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..modules.mla_attention import MLAAttention
+from .latent_attention import attention_resolver, eager_kernel
+from .latent_cache import latent_cache_layer
+from .registry import UnsupportedArchitectureError, adapter_for
+
+__all__ = ["check_mla_supported", "model_inv_freq", "empty_mla_attention", "mla_attention_from_factors",
+           "mla_attention_spec", "rebuild_mla_attention", "mla_cache_numbers_per_token"]
+
+CAPABILITY = "latent_attention"
+
+
+def check_mla_supported(model: nn.Module) -> None:
+    """Raise ``UnsupportedArchitectureError`` naming the reason unless ``model`` can be converted to MLA."""
+    adapter = adapter_for(model, capability=CAPABILITY)
+    name = type(model).__name__
+    if not adapter.uses_rope:
+        raise UnsupportedArchitectureError(f"--attention mla needs rotary position embeddings; {name} has none "
+                                           f"(use --method latentllm --kv-ratio, whose absorbed cache covers it)")
+    config = adapter.text_config(model)
+    layout = adapter.attention_layout(model)
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if factor != 1.0 or adapter.fused:
+        raise UnsupportedArchitectureError(f"--attention mla: {name} rotates only part of each head (partial "
+                                           f"rotary) or fuses its projections, which the MLA layout cannot express")
+    attention = adapter.attention(adapter.decoder_layers(model)[0])
+    if getattr(attention, "q_norm", None) is not None or getattr(attention, "k_norm", None) is not None:
+        raise UnsupportedArchitectureError(f"--attention mla: {name} normalises each head's queries and keys "
+                                           f"(q/k norms), which do not commute with the latent")
+    if getattr(attention, "attn_logit_softcapping", None) or adapter.rotary_takes_layer_type:
+        raise UnsupportedArchitectureError(f"--attention mla: {name} soft-caps its scores or uses per-layer-type "
+                                           f"rotary tables; not supported")
+    if layout.head_dim % 2:
+        raise UnsupportedArchitectureError(f"--attention mla: head_dim {layout.head_dim} is odd")
+
+
+def model_inv_freq(model: nn.Module) -> torch.Tensor:
+    """θ_f [dh/2] of the model's rotary embedding (its scaling included)."""
+    adapter = adapter_for(model)
+    return model.get_submodule(adapter.rotary_path).inv_freq.detach().to(torch.float64)
+
+
+def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> MLAAttention:
+    """An MLAAttention of ``spec``'s shapes (weights uninitialised) in place of HF ``attention``."""
+    adapter = adapter_for(model, capability=CAPABILITY)
+    layout = adapter.attention_layout(model)
+    o_proj = attention.get_submodule(adapter.attention_output_name)
+    reference = o_proj.weight
+    module = MLAAttention(
+        hidden_size=o_proj.out_features, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads,
+        head_dim=layout.head_dim, kv_rank=spec["kv_rank"], rope_dim=spec["rope_dim"], qk_nope_dim=spec["qk_nope_dim"],
+        freq_index=torch.tensor(spec["freq_index"], dtype=torch.long), o_proj=o_proj, layer_idx=attention.layer_idx,
+        scaling=attention.scaling, attention_resolver=attention_resolver(attention.config, eager_kernel(attention, None)),
+        cache_layer=latent_cache_layer, q_bias=spec["q_bias"], kv_bias=spec["kv_bias"], k_pe_bias=spec["k_pe_bias"],
+        sliding_window=adapter.sliding_window(attention), cache_kwarg=adapter.cache_kwarg, dtype=reference.dtype,
+        device=reference.device)
+    module.source_class = type(attention).__name__
+    return module
+
+
+def mla_attention_from_factors(attention: nn.Module, model: nn.Module, factors) -> MLAAttention:
+    """The MLAAttention of ``factors`` (``linalg.mla.MLAFactors``) replacing HF ``attention``, in its dtype."""
+    spec = {"kv_rank": factors.kv_a_weight.shape[0], "rope_dim": factors.k_pe_weight.shape[0],
+            "qk_nope_dim": factors.k_up.shape[0], "freq_index": factors.freq_index.tolist(),
+            "q_bias": factors.q_bias is not None, "kv_bias": factors.kv_a_bias is not None,
+            "k_pe_bias": factors.k_pe_bias is not None}
+    module = empty_mla_attention(attention, model, spec)
+    with torch.no_grad():
+        for linear, weight, bias in ((module.q_proj, factors.q_weight, factors.q_bias),
+                                     (module.kv_a_proj, factors.kv_a_weight, factors.kv_a_bias),
+                                     (module.k_pe_proj, factors.k_pe_weight, factors.k_pe_bias)):
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        module.k_up.copy_(factors.k_up)
+        module.v_up.copy_(factors.v_up)
+    return module
+
+
+def mla_attention_spec(module: MLAAttention) -> dict:
+    return module.spec()
+
+
+def rebuild_mla_attention(spec: dict, original: nn.Module, model: nn.Module) -> MLAAttention:
+    """Empty MLAAttention of the recorded shapes around ``original`` (the fresh HF attention of ``model``)."""
+    return empty_mla_attention(original, model, spec)
+
+
+def mla_cache_numbers_per_token(model: nn.Module) -> int:
+    """Σ over layers of what each layer caches per token (r + 2m for MLA layers, 2·g·dh for the others)."""
+    adapter = adapter_for(model)
+    layout = adapter.attention_layout(model)
+    total = 0
+    for layer in adapter.decoder_layers(model):
+        attention = adapter.attention(layer)
+        total += (attention.cache_numbers_per_token() if isinstance(attention, MLAAttention)
+                  else 2 * layout.n_kv_heads * layout.head_dim)
+    return total

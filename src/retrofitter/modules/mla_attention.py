@@ -1,0 +1,180 @@
+"""MLAAttention: Multi-head Latent Attention (DeepSeek-V2/V3 layout) reached by conversion (linalg/mla.py).
+
+Per token and layer the cache holds one latent c = A x [r] and one shared rotary key k_pe = RoPE(W_pe x)
+[2m] (already rotated: its position never changes), so it grows by (r + 2m)·dtype bytes, with nothing to
+decompress per cached token. Per head i the query is [q_nope (r'), q_pe (2m)] and
+
+    score_ij = q_nope,iᵀ K_up c_j + RoPE(q_pe,i)ᵀ k_pe,j          K_up [r', r]
+    out_i    = V_up,group(i) Σ_j p_ij c_j                          V_up [g·dh, r]  (then o_proj)
+
+Two executions of the same function:
+
+* ``absorbed`` (default): the query's no-rotation part is moved into the latent, q̂_i = K_upᵀ q_nope,i [r], and
+  attention runs once over one shared key [c, k_pe] [r + 2m] and value c [r] (multi-query, one kv "head"
+  for all h heads, through HF's attention kernel); V_up is applied to each head's mix before o_proj.
+* ``naive`` (the reference, for tests): keys K_up c and values V_up c decompressed for every cached token,
+  softmax written out.
+
+RoPE: the kept slots' frequencies are columns ``freq_index`` [m] of the model's own cos/sin tables
+([b, n, dh], rotate-half layout: cos[..., f] = cos(pos·θ_f)), so any rope scaling the model uses carries
+over. Biases (Qwen2) are the projections' biases. The cache slot (adapters.latent_cache) stores c as the
+"key latent" and the rotated k_pe as the "value latent", positions none.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MLAAttention"]
+
+
+def _rope_slots(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [b, (heads,) n, 2m] with cos/sin [b, n, m] (one frequency per slot)."""
+    if x.ndim == 4:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class _HeadsView:
+    """The attributes HF attention kernels read from the module they are given."""
+
+    def __init__(self, num_key_value_groups: int, training: bool):
+        self.num_key_value_groups, self.training, self.is_causal = num_key_value_groups, training, True
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention (module docstring). The output projection keeps the HF name (``o_proj``).
+
+    Args:
+        hidden_size, n_heads, n_kv_heads, head_dim: geometry of the original attention (values keep g·dh).
+        kv_rank (r), rope_dim (2m), qk_nope_dim (r'): the latent, the shared rotary key, the query's
+            no-rotation part per head.
+        freq_index: [m] the frequency pair of each rotary slot.
+        o_proj: the original output projection [d, h·dh].
+        layer_idx, scaling: cache slot and the softmax scale of the original attention.
+        attention_resolver: () -> HF kernel ``f(module, q, k, v, mask, dropout=, scaling=, **kw)``.
+        cache_layer: ``cache_layer(cache, layer_idx) -> slot`` with ``update_latent`` (adapters.latent_cache).
+        q_bias, kv_bias, k_pe_bias: whether those projections carry biases.
+        sliding_window: the layer's window (handed to the kernel), or None.
+        cache_kwarg: the keyword under which the decoder layer passes the cache.
+    """
+
+    def __init__(self, *, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_rank: int,
+                 rope_dim: int, qk_nope_dim: int, freq_index: torch.Tensor, o_proj: nn.Module, layer_idx: int,
+                 scaling: float, attention_resolver: Callable[[], Callable],
+                 cache_layer: Callable[[object, int], object] | None = None, q_bias: bool = False,
+                 kv_bias: bool = False, k_pe_bias: bool = False, sliding_window: int | None = None,
+                 cache_kwarg: str = "cache", dtype=None, device=None):
+        super().__init__()
+        if n_heads % n_kv_heads or rope_dim % 2 or freq_index.numel() != rope_dim // 2:
+            raise ValueError(f"MLA geometry: n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads} and "
+                             f"rope_dim {rope_dim} even with one frequency per pair ({freq_index.numel()} given)")
+        kw = dict(dtype=dtype, device=device)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.kv_rank, self.rope_dim, self.qk_nope_dim = kv_rank, rope_dim, qk_nope_dim
+        self.q_proj = nn.Linear(hidden_size, n_heads * (qk_nope_dim + rope_dim), bias=q_bias, **kw)
+        self.kv_a_proj = nn.Linear(hidden_size, kv_rank, bias=kv_bias, **kw)
+        self.k_pe_proj = nn.Linear(hidden_size, rope_dim, bias=k_pe_bias, **kw)
+        self.k_up = nn.Parameter(torch.empty(qk_nope_dim, kv_rank, **kw))   # [r', r]
+        self.v_up = nn.Parameter(torch.empty(n_kv_heads * head_dim, kv_rank, **kw))  # [g·dh, r]
+        self.o_proj = o_proj
+        self.register_buffer("freq_index", freq_index.to(device=device, dtype=torch.long).clone())
+        self.layer_idx, self.scaling = layer_idx, float(scaling)
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.cache_kwarg = cache_kwarg
+        self.absorbed = True
+        self._attention_resolver, self._cache_layer = attention_resolver, cache_layer
+
+    def spec(self) -> dict:
+        """The shapes ``adapters.mla_attention`` rebuilds an empty module from (retrofitter.json)."""
+        return {"kv_rank": self.kv_rank, "rope_dim": self.rope_dim, "qk_nope_dim": self.qk_nope_dim,
+                "freq_index": self.freq_index.tolist(), "q_bias": self.q_proj.bias is not None,
+                "kv_bias": self.kv_a_proj.bias is not None, "k_pe_bias": self.k_pe_proj.bias is not None}
+
+    def cache_numbers_per_token(self) -> int:
+        return self.kv_rank + self.rope_dim
+
+    def cache_bytes_per_token(self) -> int:
+        return self.cache_numbers_per_token() * self.kv_a_proj.weight.element_size()
+
+    def linear_projections(self) -> tuple[nn.Module, ...]:
+        """The layer's ``nn.Linear`` projections (for accounting): q, kv_a, k_pe and o."""
+        return (self.q_proj, self.kv_a_proj, self.k_pe_proj, self.o_proj)
+
+    def heal_tensors(self) -> list[tuple[str, nn.Module, str]]:
+        """(relative module path, module, tensor name) of every 2-D weight LoRA healing adapts: the four
+        projections' weights and the up-projections K_up, V_up."""
+        return [(name, getattr(self, name), "weight") for name in ("q_proj", "kv_a_proj", "k_pe_proj", "o_proj")] + [
+            ("", self, "k_up"), ("", self, "v_up")]
+
+    def extra_macs_per_token(self) -> int:
+        """Multiply-adds per token outside the projections: the query's absorption through K_up and each
+        head's mix through V_up (absorbed execution)."""
+        return self.n_heads * self.kv_rank * (self.qk_nope_dim + self.head_dim)
+
+    def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
+        """K_up and V_up are read by einsums, not ``F.linear``: a weight quantizer leaves them plain."""
+        return (self.k_up, self.v_up)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                **kwargs):
+        kwargs.pop("past_key_values", None)
+        if self.cache_kwarg != "cache":
+            cache = kwargs.pop(self.cache_kwarg, None) if cache is None else cache
+        batch, length, _ = hidden_states.shape
+        cos, sin = position_embeddings  # [b, n, dh] of the model's rotary embedding
+        cos, sin = cos[..., self.freq_index], sin[..., self.freq_index]  # [b, n, m]
+        query = self.q_proj(hidden_states).view(batch, length, self.n_heads, -1).transpose(1, 2)  # [b, h, n, r'+2m]
+        q_nope, q_pe = query[..., :self.qk_nope_dim], _rope_slots(query[..., self.qk_nope_dim:], cos, sin)
+        latent = self.kv_a_proj(hidden_states)                                   # [b, n, r]
+        k_pe = _rope_slots(self.k_pe_proj(hidden_states), cos, sin)              # [b, n, 2m]
+        if cache is not None:
+            if self._cache_layer is None:
+                raise ValueError("this MLAAttention was built without a cache_layer; run it with use_cache=False")
+            latent, k_pe, _ = self._cache_layer(cache, self.layer_idx).update_latent(latent, k_pe, None)
+        kwargs.pop("position_ids", None)
+        run = self._absorbed if self.absorbed else self._naive
+        heads, weights = run(q_nope, q_pe, latent, k_pe, attention_mask, kwargs)  # [b, n, h, dh]
+        return self.o_proj(heads.reshape(batch, length, -1)), weights
+
+    def _value_heads(self) -> torch.Tensor:
+        group = self.n_heads // self.n_kv_heads
+        return self.v_up.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r]
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, attention_mask, kwargs):
+        query = torch.cat([q_nope @ self.k_up, q_pe], -1)                        # [b, h, n, r + 2m]
+        key = torch.cat([latent, k_pe], -1).unsqueeze(1)                         # [b, 1, N, r + 2m]
+        options = dict(kwargs, sliding_window=self.sliding_window) if self.sliding_window else kwargs
+        mixed, weights = self._attention_resolver()(_HeadsView(self.n_heads, self.training), query, key,
+                                                    latent.unsqueeze(1), attention_mask, dropout=0.0,
+                                                    scaling=self.scaling, **options)  # [b, n, h, r]
+        return torch.einsum("bnhr,hdr->bnhd", mixed, self._value_heads()), weights
+
+    def _naive(self, q_nope, q_pe, latent, k_pe, attention_mask, kwargs):
+        """Keys and values decompressed for every cached token; softmax written out (eager masks only)."""
+        keys = F.linear(latent, self.k_up)                                       # [b, N, r']
+        values = torch.einsum("bnr,hdr->bhnd", latent, self._value_heads())      # [b, h, N, dh]
+        scores = (q_nope @ keys.unsqueeze(1).transpose(-1, -2)
+                  + q_pe @ k_pe.unsqueeze(1).transpose(-1, -2)) * self.scaling   # [b, h, n, N]
+        n, total = scores.shape[-2:]
+        lowest = torch.finfo(scores.dtype).min  # finite, as HF's masks: a fully masked (padded) row stays finite
+        if attention_mask is None:  # causal over the cached tokens
+            allowed = torch.ones(n, total, dtype=torch.bool, device=scores.device).tril(total - n)
+            scores = scores.masked_fill(~allowed, lowest)
+        elif attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask[..., :total], lowest)
+        else:
+            scores = scores + attention_mask[..., :total]
+        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), -1).to(values.dtype)
+        return (weights @ values).transpose(1, 2), weights
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, kv_rank={self.kv_rank}, "
+                f"rope_dim={self.rope_dim}, qk_nope_dim={self.qk_nope_dim}, layer_idx={self.layer_idx}, "
+                f"cache_numbers_per_token={self.cache_numbers_per_token()}, absorbed={self.absorbed}")

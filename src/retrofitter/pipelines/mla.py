@@ -1,0 +1,110 @@
+"""``retrofitter mla``: convert every attention layer to Multi-head Latent Attention, training-free.
+
+One pass over the layers (llm-compressor's shape: the loop owns the layers, the math is linalg/mla.py):
+the calibration stream enters layer l, the second moment of the attention input is collected, the layer's
+q/k/v become MLA factors (shared rotary slots + one whitened joint k/v latent), the attention module is
+swapped for ``MLAAttention`` (absorbed execution), and the stream leaves through the *converted* layer, so
+layer l + 1 is fitted on what it will see. Budget per layer: ``kv_ratio`` · 2·g·dh cached numbers per
+token, ``rope_fraction`` of them in the shared rotary key (``linalg.mla.mla_budget``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..adapters.mla_attention import check_mla_supported, mla_attention_from_factors, model_inv_freq
+from ..adapters.registry import adapter_for
+from ..config import JsonRoundTrip, option
+from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors
+from ..modules.latent_linear import LatentLinear
+from .calibration import capture_stream, collect_input_moments
+
+__all__ = ["MLAConfig", "convert_to_mla"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MLAConfig(JsonRoundTrip):
+    """Settings of the MLA conversion (module docstring); checked when built."""
+
+    kv_ratio: float = option(0.25, "cached numbers per token and layer, as a fraction of the original's 2·n_kv·d_h")
+    rope_fraction: float = option(1 / 3, "share of that budget in the shared rotary key (the rest: the latent)")
+    rope_selection: str = option("score", "which rotary slots keep RoPE: score (size x error of dropping the "
+                                 "rotation), energy (size only), frequency (highest first)", choices=SLOT_SELECTIONS)
+    kv_metric: str = option("diagonal", "how the joint k/v latent weighs its errors: diagonal (key rows by query "
+                            "energy) or output (keys through the query covariance, values through o_proj)",
+                            choices=("diagonal", "output"))
+    rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
+    batch_size: int = option(8, "calibration batch size")
+    damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
+
+    def __post_init__(self):
+        self._check_finite()
+        if not 0.0 < self.kv_ratio <= 1.0:
+            raise ValueError(f"kv_ratio (--kv-ratio) must lie in (0, 1], got {self.kv_ratio}")
+        if not 0.0 <= self.rope_fraction <= 1.0:
+            raise ValueError(f"rope_fraction (--rope-fraction) must lie in [0, 1], got {self.rope_fraction}")
+        if self.rope_selection not in SLOT_SELECTIONS:
+            raise ValueError(f"rope_selection must be one of {SLOT_SELECTIONS}, got {self.rope_selection!r}")
+        if self.kv_metric not in ("diagonal", "output"):
+            raise ValueError(f"kv_metric must be 'diagonal' or 'output', got {self.kv_metric!r}")
+        if self.rope_context < 1 or self.batch_size < 1 or self.damping <= 0:
+            raise ValueError("rope_context and batch_size must be >= 1 and damping > 0; got "
+                             f"{self.rope_context}, {self.batch_size}, {self.damping}")
+
+
+def _set_path(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(parent_path) if parent_path else root, attr, module)
+
+
+@torch.no_grad()
+def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tensor,
+                   progress: bool = True) -> tuple[nn.Module, dict]:
+    """Convert ``model`` in place (calibration token blocks [n, seq_len]); returns (model, report)."""
+    start = time.perf_counter()
+    check_mla_supported(model)
+    adapter = adapter_for(model)
+    layout = adapter.attention_layout(model)
+    layers = adapter.decoder_layers(model)
+    for index, layer in enumerate(layers):
+        for name in ("q", "k", "v"):
+            if isinstance(adapter.get_linear(layer, name), LatentLinear):
+                raise ValueError(f"layer {index} projection {name!r} is a LatentLinear: this model was compressed "
+                                 f"before; convert the original model to MLA (then compress its MLPs)")
+    kv_rank, rope_dim = mla_budget(config.kv_ratio, layout.n_kv_heads, layout.head_dim, config.rope_fraction)
+    inv_freq = model_inv_freq(model)
+    model.eval()
+    stream = capture_stream(model, adapter, calibration, config.batch_size)
+    reports = []
+    for index, layer in enumerate(tqdm(layers, desc=f"mla kv {config.kv_ratio:g}", disable=not progress)):
+        t0 = time.perf_counter()
+        q, k, v = (adapter.get_linear(layer, name) for name in ("q", "k", "v"))
+        moments = collect_input_moments(layer, stream, {"q": q})["q"]  # q, k and v read the same input
+        factors = mla_factors(q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, moments.second_moment,
+                              moments.mean, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads,
+                              head_dim=layout.head_dim, inv_freq=inv_freq, kv_rank=kv_rank, rope_dim=rope_dim,
+                              context=config.rope_context, damping=config.damping, selection=config.rope_selection,
+                              metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight)
+        module = mla_attention_from_factors(adapter.attention(layer), model, factors)
+        _set_path(layer, adapter.attention_path, module)
+        stream = stream.advance(layer)
+        reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
+                        "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
+                        "seconds": time.perf_counter() - t0})
+        log.info("layer %d: MLA r=%d, rope %d, frequencies %s", index, module.kv_rank, module.rope_dim,
+                 module.freq_index.tolist())
+    original = 2 * layout.n_kv_heads * layout.head_dim
+    return model, {"method": "mla", "config": config.to_dict(), "kv_rank": kv_rank, "rope_dim": rope_dim,
+                   "cache_numbers_per_token_per_layer": kv_rank + rope_dim,
+                   "original_cache_numbers_per_token_per_layer": original,
+                   "kv_fraction": (kv_rank + rope_dim) / original, "layers": reports,
+                   "calibration_tokens": int(calibration.numel()),
+                   "timings_s": {"total": time.perf_counter() - start}}
