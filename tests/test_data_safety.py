@@ -59,11 +59,13 @@ def _run_and_check(project: Path, argv: list[str], out: str | None) -> None:
     assert (project / "empty").is_dir() and not any((project / "empty").iterdir())
 
 
-@pytest.mark.parametrize("case", ["compress", "linearize, new work dir", "linearize, empty work dir of the user's",
+@pytest.mark.parametrize("case", ["compress", "mla", "linearize, new work dir", "linearize, empty work dir of the user's",
                                   "eval --json", "report"])
 def test_a_successful_command_changes_nothing_of_the_user(project, case):
     argv, out = {
         "compress": (_compress("out", "--json", "r.json"), "out"),
+        "mla": (["mla", "model", "--kv-ratio", "0.5", "--calib", "corpus.txt", "--calib-samples", "4", "--out", "mla",
+                 "--eval", "corpus.txt", "--max-eval-tokens", "64", "--json", "r.json", *TINY], "mla"),
         "linearize, new work dir": (["linearize", "model", "--train-corpus", "corpus.txt", *LINEARIZE, "--work-dir",
                                      "scratch", "--out", "lin", "--no-eval", *TINY], "lin"),
         "linearize, empty work dir of the user's": (["linearize", "model", "--train-corpus", "corpus.txt", *LINEARIZE,
@@ -78,6 +80,10 @@ def test_a_successful_command_changes_nothing_of_the_user(project, case):
         argv = ["report", "r.json", "--out", "rep"]
     _run_and_check(project, argv, out)
     assert not (project / "scratch").exists()  # the work directory it created is gone
+    if case == "mla":
+        record = json.loads((project / "r.json").read_text())
+        assert record["method"] == "mla" and record["mla"]["kv_fraction"] == 0.5
+        assert record["kv_bytes_per_token"] == 2 * 16 * 4  # 2 layers x (r + 2m = 16 numbers) x fp32
 
 
 def test_heal_and_overwrite_replace_only_a_previous_output_and_say_so(project, caplog):

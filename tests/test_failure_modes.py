@@ -40,6 +40,7 @@ def base(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     save_tiny_model_dir(root / "other-architecture", "qwen2")  # the same vocabulary, another family
+    save_tiny_model_dir(root / "qwen3", "qwen3")  # q/k norms: no MLA form
     _smaller_vocabulary(_copy(model_dir, root / "other-vocabulary"))
     return root, model_dir, corpus, compressed
 
@@ -198,6 +199,12 @@ CASES = [
      "compress MODEL --ratio 0.3 --calib CORPUS --seq-len 300 --out OUT --no-eval", "--seq-len 300"),
     ("--seq-len beyond max_position_embeddings (linearize)", None, "original",
      "linearize MODEL --train-corpus CORPUS --seq-len 300 --out OUT --no-eval", "--seq-len 300"),
+    ("mla of a compressed model", None, "compressed",
+     "mla MODEL --calib CORPUS --calib-samples 4 --seq-len 32 --out OUT --no-eval", "compressed before"),
+    ("mla of a family it cannot express", None, "original-qwen3",
+     "mla MODEL --calib CORPUS --calib-samples 4 --seq-len 32 --out OUT --no-eval", "q/k norms"),
+    ("mla --kv-ratio out of range", None, "original", "mla MODEL --kv-ratio 1.5 --calib CORPUS --out OUT",
+     "--kv-ratio"),
     ("teacher with another vocabulary", None, "compressed",
      "heal MODEL --teacher OTHER_VOCAB --train-corpus CORPUS --out OUT --no-eval", "vocabulary of 40 tokens"),
     ("teacher of another architecture", None, "compressed",
@@ -214,7 +221,8 @@ def _digest(root: Path) -> dict:
 def test_failure_is_one_clear_line_and_loses_nothing(base, tmp_path, capsys, monkeypatch, name, damage, which,
                                                      template, culprit):
     root, model_dir, corpus, compressed = base
-    model = _copy(compressed if which == "compressed" else model_dir, tmp_path / "model")
+    source = {"compressed": compressed, "original-qwen3": root / "qwen3"}.get(which, model_dir)
+    model = _copy(source, tmp_path / "model")
     if damage is not None:
         damage(model)
     (tmp_path / "FILE").write_text("a file where a directory is expected")

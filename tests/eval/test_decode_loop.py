@@ -39,6 +39,12 @@ def _model(kind: str):
         return strong_tiny("llama")
     if kind == "latent":
         return to_latent_attention(low_rank_dense(strong_tiny("llama", dtype=torch.float64))).float()
+    if kind == "mla":  # latent caches too (model_kind "latent")
+        from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
+
+        model = strong_tiny("llama")
+        calibration = torch.randint(3, TINY_VOCAB, (4, 32), generator=torch.Generator().manual_seed(5))
+        return convert_to_mla(model, MLAConfig(kv_ratio=0.5), calibration, progress=False)[0]
     model = strong_tiny("llama")
     swap_to_hybrid(model, LinearizeConfig(window=4).hybrid_settings())
     return model
@@ -83,10 +89,10 @@ def _decode(model, cache_kind, step=None, steps=6):
     return _greedy(step or _eager(model), model, cache, logits, ids.shape[1], steps), cache
 
 
-@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid"])
+@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid", "mla"])
 def test_static_cache_decodes_like_generate(kind):
     model = _model(kind)
-    assert model_kind(model) == kind
+    assert model_kind(model) == ("latent" if kind == "mla" else kind)
     ids = _ids()
     model.generation_config.eos_token_id = None  # generate() must not stop early: the loop never does
     with torch.inference_mode():
@@ -98,7 +104,7 @@ def test_static_cache_decodes_like_generate(kind):
         assert_same_greedy(tokens, logits, reference, reference_logits, **GREEDY_TOLERANCE)
 
 
-@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid"])
+@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid", "mla"])
 def test_traced_step_equals_eager_logits(kind):
     torch._dynamo.reset()
     model = _model(kind)

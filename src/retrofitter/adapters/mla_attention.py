@@ -27,7 +27,7 @@ def check_mla_supported(model: nn.Module) -> None:
     adapter = adapter_for(model, capability=CAPABILITY)
     name = type(model).__name__
     if not adapter.uses_rope:
-        raise UnsupportedArchitectureError(f"--attention mla needs rotary position embeddings; {name} has none "
+        raise UnsupportedArchitectureError(f"MLA needs rotary position embeddings; {name} has none "
                                            f"(use --method latentllm --kv-ratio, whose absorbed cache covers it)")
     config = adapter.text_config(model)
     layout = adapter.attention_layout(model)
@@ -35,17 +35,17 @@ def check_mla_supported(model: nn.Module) -> None:
     if factor is None:
         factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
     if factor != 1.0 or adapter.fused:
-        raise UnsupportedArchitectureError(f"--attention mla: {name} rotates only part of each head (partial "
+        raise UnsupportedArchitectureError(f"MLA: {name} rotates only part of each head (partial "
                                            f"rotary) or fuses its projections, which the MLA layout cannot express")
     attention = adapter.attention(adapter.decoder_layers(model)[0])
     if getattr(attention, "q_norm", None) is not None or getattr(attention, "k_norm", None) is not None:
-        raise UnsupportedArchitectureError(f"--attention mla: {name} normalises each head's queries and keys "
+        raise UnsupportedArchitectureError(f"MLA: {name} normalises each head's queries and keys "
                                            f"(q/k norms), which do not commute with the latent")
     if getattr(attention, "attn_logit_softcapping", None) or adapter.rotary_takes_layer_type:
-        raise UnsupportedArchitectureError(f"--attention mla: {name} soft-caps its scores or uses per-layer-type "
+        raise UnsupportedArchitectureError(f"MLA: {name} soft-caps its scores or uses per-layer-type "
                                            f"rotary tables; not supported")
     if layout.head_dim % 2:
-        raise UnsupportedArchitectureError(f"--attention mla: head_dim {layout.head_dim} is odd")
+        raise UnsupportedArchitectureError(f"MLA: head_dim {layout.head_dim} is odd")
 
 
 def model_inv_freq(model: nn.Module) -> torch.Tensor:

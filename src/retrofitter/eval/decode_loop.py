@@ -40,6 +40,7 @@ from ..adapters.hybrid_cache import HybridCacheLayer, StaticHybridCache, StaticH
 from ..adapters.latent_cache import LatentCacheLayer, StaticLatentCache, StaticLatentCacheLayer
 from ..modules.latent_attention import LatentAttention
 from ..modules.latent_linear import LatentLinear
+from ..modules.mla_attention import MLAAttention
 
 __all__ = ["CACHE_KINDS", "SkippedProjection", "compile_step", "prepare_for_compile", "decode_step", "fill_cache", "greedy_decode",
            "make_cache", "model_kind", "prefill", "skip_projections"]
@@ -48,8 +49,9 @@ CACHE_KINDS = ("dynamic", "static")
 
 
 def model_kind(model: nn.Module) -> str:
-    """``"latent"`` (LatentAttention layers), ``"hybrid"`` (hybrid attention layers) or ``"softmax"``."""
-    if any(isinstance(m, LatentAttention) for m in model.modules()):
+    """``"latent"`` (LatentAttention or MLAAttention layers: latent caches), ``"hybrid"`` (hybrid attention
+    layers) or ``"softmax"``."""
+    if any(isinstance(m, (LatentAttention, MLAAttention)) for m in model.modules()):
         return "latent"
     if hybrid_attention_modules(model):
         return "hybrid"
