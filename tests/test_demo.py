@@ -23,7 +23,8 @@ def test_demo_writes_rows_for_uniform_and_global_allocation_and_a_report(tmp_pat
     assert report.exists()
     rows = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
     assert {"original", "asvd-rootcov-0.2", "asvd-rootcov-0.4", "rootcov-global-fisher-0.2",
-            "rootcov-global-fisher-0.4"} <= set(rows)
+            "rootcov-global-fisher-0.4", "mla-kv0.25"} <= set(rows)
+    assert rows["mla-kv0.25"]["kv_bytes_per_token"] == rows["original"]["kv_bytes_per_token"] // 4
     for ratio in (0.2, 0.4):
         uniform, fisher = rows[f"asvd-rootcov-{ratio:g}"], rows[f"rootcov-global-fisher-{ratio:g}"]
         assert fisher["reduction"]["linear"] >= ratio - 0.02  # the same budget

@@ -4,7 +4,8 @@ fetch → evaluate the original → asvd-rootcov at every ratio (one shared cali
 of the original model, ``statistics="teacher"``, so extra ratios cost only a factorization), with
 uniform ranks and with global fisher allocation (``rootcov-global-fisher``: the default of
 ``retrofitter compress``) →
-latentllm at ``latentllm_ratios`` (its own sequential pipeline) → evaluate each → save the most
+latentllm at ``latentllm_ratios`` (its own sequential pipeline) → MLA attention at ``mla_kv_ratios``
+(training-free) → evaluate each → save the most
 compressed rootcov model and reload it → bench the original against it → write ``OUT/report.md``
 with plots, and print the result table.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .api import (compress, compress_from_statistics, evaluate, evaluation_blocks, global_plan_from_statistics,
+from .api import (compress, compress_from_statistics, convert_to_mla, evaluate, evaluation_blocks, global_plan_from_statistics,
                   load_model, save, teacher_statistics, write_json)
 from .config import CompressConfig, EvalConfig
 from .eval.accounting import account
@@ -32,12 +33,15 @@ __all__ = ["run_demo"]
 def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2, 0.3), latentllm_ratios=(),
              corpora=("wiki-eval", "austen"), calib_samples: int = 32, seq_len: int = 512,
              max_eval_tokens: int = 4096, bench: bool = True, progress: bool = True,
-             global_allocation: bool = True) -> Path:
+             global_allocation: bool = True, mla_kv_ratios=(0.25,)) -> Path:
     """Run the demo; returns the path of the written report.
 
     ``global_allocation``: also compress at every ratio with the same statistics and SVDs but ranks
     from one global budget priced by loss gradients (``allocation_weighting="fisher"``).
+    ``mla_kv_ratios``: also convert the attention to MLA (training-free) at these KV budgets; the first
+    one joins the benchmark (its cache bytes and decode speed beside the original's).
     """
+    from .pipelines.mla import MLAConfig
     from .data.blocks import calibration_blocks
     from .data.corpora import load_text
     from .data.fetch import fetch
@@ -106,6 +110,21 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
         finish(model, "latentllm", ratio, time.perf_counter() - t0, "compressed")
         del model
 
+    mla_models = []
+    for kv_ratio in mla_kv_ratios:
+        _say(f"MLA attention at KV {kv_ratio} of the original's cache (training-free)")
+        model = copy.deepcopy(original)
+        t0 = time.perf_counter()
+        convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio), calibration, progress=progress)
+        result = evaluate(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
+                          method=f"mla-kv{kv_ratio:g}", ratio=None, baseline=before)
+        result["timings_s"]["convert"] = time.perf_counter() - t0
+        result["settings"].update({"calib": "wiki-calib", "calib_samples": calib_samples, "calib_seq_len": seq_len,
+                                   "mla_config": MLAConfig(kv_ratio=kv_ratio).to_dict()})
+        write_json(result, out / f"mla-kv{kv_ratio:g}.json")
+        results.append(result)
+        print(format_results_table([result]).splitlines()[-1], flush=True)
+        mla_models.append((f"mla-kv{kv_ratio:g}", model))
     if most_compressed is not None:
         label, model = most_compressed
         saved = save(model, out / "models" / label, tokenizer=tokenizer,
@@ -118,8 +137,10 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
         _say(f"saved {saved} and reloaded it: logits {'identical' if same else 'DIFFER'}")
         if bench:
             _say(f"benchmarking {model_name} against {label} (interleaved repetitions)")
-            measured = bench_models([(model_name, original, tokenizer), (label, reloaded, tokenizer)],
-                                    prefill_len=512, contexts=(256, 1024), decode_tokens=16, repeats=2, warmup=1)
+            measured = bench_models([(model_name, original, tokenizer), (label, reloaded, tokenizer),
+                                     *[(name, m, tokenizer) for name, m in mla_models[:1]]],
+                                    prefill_len=512, contexts=(256, 1024, 2048) if mla_models else (256, 1024),
+                                    decode_tokens=16, repeats=2, warmup=1)
             write_json(measured, out / "bench.json")
             print(format_bench_table(measured))
     report = write_report([out], out=out, title=f"retrofitter demo: {model_name}")

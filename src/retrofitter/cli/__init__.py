@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ratios", default="0.1,0.2,0.3", help="asvd-rootcov ratios (one shared statistics pass)")
     demo.add_argument("--latentllm-ratios", default="",
                       help="also run latentllm (global fisher allocation, its own sequential pass) at these ratios")
+    demo.add_argument("--mla-kv-ratios", default="0.25",
+                      help="also convert the attention to MLA at these KV budgets ('' for none; the first is benched)")
     demo.add_argument("--max-eval-tokens", type=int, default=4096, help="evaluation tokens per corpus")
     demo.add_argument("--calib-samples", type=int, default=32, help="calibration blocks of 512 tokens (default 32)")
     demo.add_argument("--no-bench", action="store_true")
@@ -322,7 +324,8 @@ def cmd_demo(args) -> int:
     run_demo(out=args.out, model_name=args.model, ratios=tuple(float(r) for r in args.ratios.split(",") if r),
              latentllm_ratios=tuple(float(r) for r in args.latentllm_ratios.split(",") if r),
              max_eval_tokens=args.max_eval_tokens, calib_samples=args.calib_samples, bench=not args.no_bench,
-             progress=not args.quiet, global_allocation=not args.no_global)
+             progress=not args.quiet, global_allocation=not args.no_global,
+             mla_kv_ratios=tuple(float(r) for r in args.mla_kv_ratios.split(",") if r))
     return 0
 
 
