@@ -151,10 +151,13 @@ class MLAAttention(nn.Module):
         query = torch.cat([q_nope @ self.k_up, q_pe], -1)                        # [b, h, n, r + 2m]
         key = torch.cat([latent, k_pe], -1).unsqueeze(1)                         # [b, 1, N, r + 2m]
         options = dict(kwargs, sliding_window=self.sliding_window) if self.sliding_window else kwargs
-        mixed, weights = self._attention_resolver()(_HeadsView(self.n_heads, self.training), query, key,
-                                                    latent.unsqueeze(1), attention_mask, dropout=0.0,
-                                                    scaling=self.scaling, **options)  # [b, n, h, r]
-        return torch.einsum("bnhr,hdr->bnhd", mixed, self._value_heads()), weights
+        # The value is the key itself (FlashMLA's layout): fused CPU/GPU kernels need equal q/k/v head sizes
+        # (a value of width r sends SDPA to its math path, which materialises the [n, N] scores); the
+        # mix of its last 2m dims is dropped.
+        mixed, weights = self._attention_resolver()(_HeadsView(self.n_heads, self.training), query, key, key,
+                                                    attention_mask, dropout=0.0, scaling=self.scaling,
+                                                    **options)  # [b, n, h, r + 2m]
+        return torch.einsum("bnhr,hdr->bnhd", mixed[..., :self.kv_rank], self._value_heads()), weights
 
     def _naive(self, q_nope, q_pe, latent, k_pe, attention_mask, kwargs):
         """Keys and values decompressed for every cached token; softmax written out (eager masks only)."""
