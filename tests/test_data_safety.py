@@ -90,7 +90,7 @@ def test_heal_and_overwrite_replace_only_a_previous_output_and_say_so(project, c
     assert main(_compress("out")) == 0
     heal = ["heal", "out", "--tokens", "64", "--train-corpus", "corpus.txt", "--out", "healed", "--no-eval", *TINY]
     _run_and_check(project, heal, "healed")
-    logging.getLogger("retrofitter.jobs").disabled = False  # a dictConfig of another test's library may disable it
+    logging.getLogger("retrofitter.preflight").disabled = False  # a dictConfig of another test's library may disable it
     with caplog.at_level(logging.WARNING, logger="retrofitter"):
         _run_and_check(project, [*heal, "--overwrite"], "healed")
     assert any("replaced" in r.getMessage() and "healed" in r.getMessage() for r in caplog.records)

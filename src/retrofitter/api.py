@@ -211,16 +211,13 @@ def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor
                           remove_checkpoint=remove_checkpoint, parallel=parallel or SINGLE_PROCESS)
 
 
-def convert_to_mla(model: nn.Module, config=None, calibration: torch.Tensor | None = None,
-                   progress: bool = True) -> tuple[nn.Module, dict]:
+def convert_to_mla(model: nn.Module, config, calibration: torch.Tensor, progress: bool = True) -> tuple[nn.Module, dict]:
     """Convert every attention layer of ``model`` to Multi-head Latent Attention in place (training-free, on
-    ``calibration`` token blocks [n, seq_len]); ``config`` is a ``pipelines.mla.MLAConfig`` (default KV 0.25).
-    Returns ``(model, report)``."""
+    ``calibration`` token blocks [n, seq_len]); ``config`` is a ``pipelines.mla.MLAConfig`` (None: its
+    defaults, KV 0.25). Returns ``(model, report)``."""
     from .pipelines.mla import MLAConfig
     from .pipelines.mla import convert_to_mla as convert
 
-    if calibration is None:
-        raise ValueError("convert_to_mla needs calibration token blocks [n, seq_len]")
     return convert(model, config or MLAConfig(), calibration, progress=progress)
 
 

@@ -55,11 +55,11 @@ def prepare_output_dir(out, overwrite: bool) -> str | None:
         return None
     if not overwrite:
         raise OutputExistsError(f"output {out} already exists; pass --overwrite (overwrite=True) to replace it")
-    if out.is_dir() and is_retrofitted_dir(out):
+    if is_retrofitted_dir(out):
         try:
-            info = json.loads((out / RETROFITTER_JSON).read_text())
+            info = read_retrofitter_json(out)
             what = f"{info.get('method', 'a conversion')} of {info.get('source_model', '?')}"
-        except (OSError, ValueError, AttributeError):
+        except ModelLoadError:  # a damaged retrofitter.json: still our output, described without it
             what = "a conversion"
         return f"the retrofitter output {out} ({what})"
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):

@@ -9,8 +9,8 @@ latentllm at ``latentllm_ratios`` (its own sequential pipeline) → MLA attentio
 compressed rootcov model and reload it → bench the original against it → write ``OUT/report.md``
 with plots, and print the result table.
 
-Budget: 7 min 51 s measured on 2 idle CPU cores with the defaults and a filled cache (docs/results.md §3;
-evaluation capped at ``max_eval_tokens`` per corpus; the cap is recorded in every JSON).
+Budget: 12 min 7 s measured on 2 AMD EPYC cores with the defaults (the MLA row included) and a filled cache
+(docs/results.md §3; evaluation capped at ``max_eval_tokens`` per corpus; the cap is recorded in every JSON).
 """
 
 from __future__ import annotations

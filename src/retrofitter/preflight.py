@@ -17,7 +17,7 @@ from .pipelines.resume import check_work_dir
 __all__ = ["partial_dir", "heal_dir", "check_outputs", "check_context", "eval_lengths", "check_teacher",
            "checked_original", "original_model_of"]
 
-log = logging.getLogger("retrofitter.jobs")
+log = logging.getLogger(__name__)
 
 
 def partial_dir(out: Path) -> Path:

@@ -192,6 +192,14 @@ class ModelAdapter:
     def attention(self, layer: nn.Module) -> nn.Module:
         return _get_path(layer, self.attention_path)
 
+    def set_attention(self, layer: nn.Module, module: nn.Module) -> None:
+        """Put ``module`` in place of ``layer``'s attention module."""
+        _set_path(layer, self.attention_path, module)
+
+    def attention_path_in_model(self, layer_index: int) -> str:
+        """Dotted path of a decoder layer's attention module inside the CausalLM."""
+        return f"{self.decoder_path}.{layer_index}.{self.attention_path}"
+
     def mlp(self, layer: nn.Module) -> nn.Module:
         return _get_path(layer, self.mlp_path)
 

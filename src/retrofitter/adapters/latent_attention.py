@@ -104,7 +104,7 @@ def to_latent_attention(model: nn.Module) -> nn.Module:
         attention = adapter.attention(layer)
         if isinstance(attention, LatentAttention):
             continue
-        _set_child(layer, adapter.attention_path, latent_attention_from(attention, model))
+        adapter.set_attention(layer, latent_attention_from(attention, model))
     return model
 
 
@@ -136,9 +136,3 @@ def rebuild_latent_attention(spec: dict, original: nn.Module, model: nn.Module) 
             reference = original.get_submodule(path).weight
             original.set_submodule(path, LatentLinear(**fields, dtype=reference.dtype, device=reference.device))
     return latent_attention_from(original, model)
-
-
-def _set_child(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, attr, module)

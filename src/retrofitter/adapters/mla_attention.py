@@ -17,7 +17,7 @@ from .latent_cache import latent_cache_layer
 from .registry import UnsupportedArchitectureError, adapter_for
 
 __all__ = ["check_mla_supported", "model_inv_freq", "empty_mla_attention", "mla_attention_from_factors",
-           "mla_attention_spec", "rebuild_mla_attention", "mla_cache_numbers_per_token"]
+           "mla_attention_spec", "rebuild_mla_attention"]
 
 CAPABILITY = "latent_attention"
 
@@ -98,15 +98,3 @@ def mla_attention_spec(module: MLAAttention) -> dict:
 def rebuild_mla_attention(spec: dict, original: nn.Module, model: nn.Module) -> MLAAttention:
     """Empty MLAAttention of the recorded shapes around ``original`` (the fresh HF attention of ``model``)."""
     return empty_mla_attention(original, model, spec)
-
-
-def mla_cache_numbers_per_token(model: nn.Module) -> int:
-    """Σ over layers of what each layer caches per token (r + 2m for MLA layers, 2·g·dh for the others)."""
-    adapter = adapter_for(model)
-    layout = adapter.attention_layout(model)
-    total = 0
-    for layer in adapter.decoder_layers(model):
-        attention = adapter.attention(layer)
-        total += (attention.cache_numbers_per_token() if isinstance(attention, MLAAttention)
-                  else 2 * layout.n_kv_heads * layout.head_dim)
-    return total

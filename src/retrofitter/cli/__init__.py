@@ -334,10 +334,10 @@ COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla
 
 
 def _input_paths(args) -> dict:
-    """The paths a command reads (flag -> path), which no output may replace."""
+    """The paths a command reads (flag -> path), which ``--json`` may not replace."""
     inputs = {}
     for name, flag in (("model", "MODEL"), ("calib", "--calib"), ("train_corpus", "--train-corpus"),
-                       ("teacher", "--teacher"), ("work_dir", "--work-dir"), ("out", "--out")):
+                       ("teacher", "--teacher"), ("work_dir", "--work-dir")):
         if getattr(args, name, None):
             inputs[flag] = getattr(args, name)
     for name, flag in (("corpora", "--eval"), ("models", "MODELS"), ("run_dirs", "RUN_DIRS")):
@@ -355,7 +355,7 @@ def check_json_output(text: str, inputs: dict) -> Path:
     if text.endswith(("/", os.sep)) or path.is_dir():
         raise ValueError(f"--json {text}: is a directory; give a file name, e.g. {path / 'results.json'}")
     check_writable(path, "--json")
-    check_separate_paths({"--json": path}, {k: v for k, v in inputs.items() if k != "--out"})
+    check_separate_paths({"--json": path}, inputs)  # --json inside --out is allowed: it is written after the save
     if path.exists():
         try:
             previous = json.loads(path.read_text(encoding="utf-8"))

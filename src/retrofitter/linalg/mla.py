@@ -62,8 +62,8 @@ class MLAFactors:
 
 
 def mla_budget(kv_ratio: float, n_kv_heads: int, head_dim: int, rope_fraction: float) -> tuple[int, int]:
-    """(kv_rank r, rope_dim 2m) caching kv_ratio · 2·g·dh numbers per token: 2m ≈ rope_fraction of it (even),
-    both ≥ 2 where the budget allows; 2m ≤ g·dh and r ≤ g·dh."""
+    """(kv_rank r, rope_dim 2m) caching kv_ratio · 2·g·dh numbers per token: 2m ≈ rope_fraction of it (even,
+    ≥ 2), r the rest (≥ 1); both at most g·dh."""
     full = 2 * n_kv_heads * head_dim
     budget = int(round(kv_ratio * full))
     if not 0.0 < kv_ratio <= 1.0 or budget < 3:

@@ -79,10 +79,10 @@ def heal_targets(model: nn.Module, names: tuple[str, ...] = ()) -> list[HealTarg
         attention = adapter.attention(layer)
         own = hasattr(attention, "heal_tensors")  # MLA: its own projections replace the adapter's q/k/v/o
         if own and any(adapter.linear_paths[name].startswith(prefix) for name in names):
-            where = adapter.linear_path_in_model(index, "o")[:-len(adapter.attention_output_name)]  # "...self_attn."
-            targets += [HealTarget(f"{where}{sub}{'.' if sub else ''}{tensor}", module, tensor,
-                                   f"{prefix}{sub}{'.' if sub else ''}{tensor}")
-                        for sub, module, tensor in attention.heal_tensors()]
+            where = adapter.attention_path_in_model(index)
+            for sub, module, tensor in attention.heal_tensors():
+                inside = f"{sub}.{tensor}" if sub else tensor
+                targets.append(HealTarget(f"{where}.{inside}", module, tensor, f"{prefix}{inside}"))
         for name in names:
             if own and adapter.linear_paths[name].startswith(prefix):
                 continue

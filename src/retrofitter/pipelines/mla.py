@@ -60,11 +60,6 @@ class MLAConfig(JsonRoundTrip):
                              f"{self.rope_context}, {self.batch_size}, {self.damping}")
 
 
-def _set_path(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    setattr(root.get_submodule(parent_path) if parent_path else root, attr, module)
-
-
 @torch.no_grad()
 def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tensor,
                    progress: bool = True) -> tuple[nn.Module, dict]:
@@ -94,7 +89,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
                               metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)
-        _set_path(layer, adapter.attention_path, module)
+        adapter.set_attention(layer, module)
         stream = stream.advance(layer)
         reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
