@@ -17,7 +17,11 @@ energy Σ_f[g1, g2] = E[k_{g1,f} · k_{g2,f}] (eigh, descending): the first comp
     score(c, f) = √(E|k'_{c,f}|² · E|q'_{c,f}|²) · (1 − sin(θ_f L) / (θ_f L))
 
 the typical size of the slot's score term times the mean of 1 − cos(θ_f Δ) over distances Δ ∈ [0, L]:
-the error of letting that slot go without rotation (``selection="score"``). The alternatives measured
+the error of letting that slot go without rotation (``selection="score"``: the m best slots).
+``"progression"`` ranks by the same score but keeps one slot at each of the frequencies f = 0, s, 2s, …,
+(m−1)s for the step s whose kept score is largest: exactly the table θ'_j = base'^(−j/m) of a DeepSeek
+rotary key of dim 2m with base' = base^(2sm/dh), so the layer exports to DeepSeek-V3 checkpoints
+(``progression_slots``). The alternatives measured
 against it: ``"energy"`` (the first factor alone, TransMLA's ranking) and ``"frequency"`` (the highest
 frequencies first, each pair's components by key energy, MHA2MLA's high-frequency rule). The other slots
 become *no-rotation* dims (the rotation is dropped: exact at distance 0, close for low frequencies).
@@ -40,9 +44,10 @@ import torch
 
 from .svd import output_side_svd
 
-SLOT_SELECTIONS = ("score", "energy", "frequency")
+SLOT_SELECTIONS = ("score", "progression", "energy", "frequency")
 
-__all__ = ["SLOT_SELECTIONS", "MLAFactors", "rotary_slots", "mla_factors", "augmented_second_moment", "mla_budget"]
+__all__ = ["SLOT_SELECTIONS", "MLAFactors", "rotary_slots", "progression_slots", "mla_factors",
+           "augmented_second_moment", "mla_budget"]
 
 
 @dataclass
@@ -113,7 +118,7 @@ def rotary_slots(key_cov: torch.Tensor, query_cov: torch.Tensor, n_heads: int, n
     theta_l = inv_freq.to(key_cov).reshape(half, 1) * float(context)
     unrotated_error = 1.0 - torch.where(theta_l > 0, torch.sin(theta_l) / theta_l.clamp_min(1e-30), 1.0)
     size = (key_energy * query_energy).sqrt()
-    if selection == "score":
+    if selection in ("score", "progression"):
         score = size * unrotated_error
     elif selection == "energy":
         score = size
@@ -122,6 +127,26 @@ def rotary_slots(key_cov: torch.Tensor, query_cov: torch.Tensor, n_heads: int, n
     else:
         raise ValueError(f"unknown slot selection {selection!r}; choose one of {SLOT_SELECTIONS}")
     return U, key_energy, query_energy, score
+
+
+def progression_slots(score: torch.Tensor, m: int) -> torch.Tensor:
+    """[m] slot ids f·g + c (ascending f) of the progression f_j = j·s, j < m, each frequency's best
+    component c, for the step s ≥ 1 that maximises the summed ``score`` [dh/2, g] of the kept slots."""
+    half, _ = score.shape
+    if m > half:
+        raise ValueError(f"a progression of rotary frequencies holds at most {half} slots (one per frequency "
+                         f"pair), {m} asked: lower rope_fraction or use rope_selection='score'")
+    if m == 0:
+        return torch.zeros(0, dtype=torch.long, device=score.device)
+    steps = range(1, (half - 1) // (m - 1) + 1) if m > 1 else range(1, 2)
+    best, kept = None, None
+    for step in steps:
+        freqs = torch.arange(m, device=score.device) * step
+        comps = score[freqs].argmax(1)
+        total = score[freqs, comps].sum()
+        if best is None or total > best:
+            best, kept = total, freqs * score.shape[1] + comps
+    return kept
 
 
 def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -152,7 +177,14 @@ def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: i
     U, _, query_energy, score = rotary_slots(Wk @ C @ Wk.T, Wq @ C @ Wq.T, n_heads, n_kv_heads, head_dim,
                                              inv_freq, context, selection)
     order = torch.argsort(score.reshape(-1), descending=True, stable=True)  # slot = f·g + c
-    kept, rest = order[:m], order[m:]
+    if selection == "progression":
+        kept = progression_slots(score, m)
+        chosen = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)
+        chosen[kept] = True
+        rest = order[~chosen[order]]
+        order = torch.cat([kept, rest])
+    else:
+        kept, rest = order[:m], order[m:]
 
     def slot_rows(slot_list, for_head=None):
         """Maps head dims to slot dims: [2·len, g·dh] for keys (all kv heads), [2·len, dh] for query head i

@@ -37,7 +37,8 @@ class MLAConfig(JsonRoundTrip):
     kv_ratio: float = option(0.25, "cached numbers per token and layer, as a fraction of the original's 2·n_kv·d_h")
     rope_fraction: float = option(1 / 3, "share of that budget in the shared rotary key (the rest: the latent)")
     rope_selection: str = option("score", "which rotary slots keep RoPE: score (size x error of dropping the "
-                                 "rotation), energy (size only), frequency (highest first)", choices=SLOT_SELECTIONS)
+                                 "rotation), progression (the same score over the frequencies 0, s, 2s, ...: exports to DeepSeek-V3), "
+                                 "energy (size only), frequency (highest first)", choices=SLOT_SELECTIONS)
     kv_metric: str = option("diagonal", "how the joint k/v latent weighs its errors: diagonal (key rows by query "
                             "energy) or output (keys through the query covariance, values through o_proj)",
                             choices=("diagonal", "output"))
