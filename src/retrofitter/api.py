@@ -21,7 +21,7 @@ from .pipelines.offload import load_as_copies
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla"]
+           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla", "export"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -334,3 +334,14 @@ def _json_default(obj):
     if isinstance(obj, torch.dtype):
         return str(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def export(model: nn.Module, out, format: str = "hf", tokenizer=None, overwrite: bool = False, outtype: str = "f32",
+           verify: bool = True, progress: bool = True, metadata: dict | None = None) -> dict:
+    """Write ``model`` for another engine (docs/export.md): ``format="hf"``, a model converted to MLA as a plain
+    transformers DeepSeek-V3 directory (checked against ``model``'s logits); ``"gguf"``, a llama.cpp GGUF file
+    (``outtype`` f32 or bf16; builds llama.cpp on first use). Returns the export record."""
+    from .pipelines.export import export_model
+
+    return export_model(model, out, format, tokenizer=tokenizer, overwrite=overwrite, outtype=outtype, verify=verify,
+                        progress=progress, metadata=metadata)

@@ -30,7 +30,7 @@ from .errors import ModelLoadError, OutputBusyError
 from .modules.quantize import quantized_scheme
 
 __all__ = ["save_retrofitted", "save_retrofitted_shards", "replacement_records",
-           "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_separate_paths", "check_writable", "output_lock", "check_weight_files",
+           "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_separate_paths", "check_writable", "output_lock", "check_weight_files", "staged_output",
            "RETROFITTER_JSON"]
 
 RETROFITTER_JSON = "retrofitter.json"
@@ -148,7 +148,7 @@ def save_retrofitted(model: nn.Module, out, metadata: dict, tokenizer=None, over
     out = Path(out)
     prepare_output_dir(out, overwrite)
     replaced = replacement_records(model)
-    with _staged_output(out) as tmp:
+    with staged_output(out) as tmp:
         # The module names as they are (no reverse key renaming: GPT-NeoX's lm_head would become embed_out,
         # which this loader, reading safetensors directly, would not map back).
         model.save_pretrained(tmp, safe_serialization=True, save_original_format=False)
@@ -181,7 +181,7 @@ def save_retrofitted_shards(out, config, shards: list[tuple[str, Callable[[], di
     out = Path(out)
     prepare_output_dir(out, overwrite)
     weight_map, total = {}, 0
-    with _staged_output(out) as tmp:
+    with staged_output(out) as tmp:
         for number, (_name, tensors_of) in enumerate(shards, start=1):
             file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
             tensors = {k: v.detach().contiguous() for k, v in tensors_of().items()}
@@ -207,7 +207,7 @@ def _write_info(directory: Path, replacements: dict, metadata: dict) -> None:
 
 
 @contextlib.contextmanager
-def _staged_output(out: Path) -> Iterator[Path]:
+def staged_output(out: Path) -> Iterator[Path]:
     """A temporary sibling directory of ``out`` for the body to fill; renamed to ``out`` (replacing it) when
     the body succeeds, removed when it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)

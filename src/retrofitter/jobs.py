@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 
-from .api import compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, heal, linearize, load_model, load_tokenizer, save
-from .checkpoint import RETROFITTER_JSON, is_retrofitted_dir, output_lock, read_retrofitter_json
+from .api import compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, export, heal, linearize, load_model, load_tokenizer, save
+from .checkpoint import RETROFITTER_JSON, check_separate_paths, is_retrofitted_dir, output_lock, read_retrofitter_json
 from .config import CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
 from .data.corpora import check_corpus, load_text
@@ -215,6 +215,21 @@ def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, 
                                     "mla_config": config.to_dict()})
         results["timings_s"].update(total=time.perf_counter() - start, convert=report["timings_s"]["total"])
         return results
+
+
+def export_job(model_name: str, out, fmt: str, *, outtype: str = "f32", overwrite: bool = False,
+               verify: bool = True, progress: bool = True) -> dict:
+    """Load ``model_name`` (a retrofitter output or any model) and export it (``api.export``); one run at a time
+    may write ``out``, which may not be the input."""
+    check_separate_paths({"--out": out}, {"MODEL": model_name})
+    with output_lock(out):
+        model, tokenizer = load_model(model_name, dtype="float32")
+        metadata = {"source_model": str(model_name)}
+        if is_retrofitted_dir(model_name):
+            info = read_retrofitter_json(model_name)
+            metadata.update(method=info.get("method"), original_model=info.get("source_model"))
+        return export(model, out, fmt, tokenizer=tokenizer, overwrite=overwrite, outtype=outtype, verify=verify,
+                      progress=progress, metadata=metadata)
 
 
 def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: EvalConfig = NO_EVAL, *,

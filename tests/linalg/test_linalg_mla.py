@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retrofitter.linalg.mla import mla_budget, mla_factors
+from retrofitter.linalg.mla import mla_budget, mla_factors, progression_slots
 
 H, G, DH, D = 4, 2, 8, 12
 
@@ -105,3 +105,18 @@ def test_budget_split_and_limits():
     with pytest.raises(ValueError, match="rope_dim must be even and at most 16"):
         mla_factors(W["q"], None, W["k"], None, W["v"], None, x.T @ x, x.mean(0), n_heads=H, n_kv_heads=G,
                     head_dim=DH, inv_freq=inv_freq, kv_rank=4, rope_dim=18)
+
+
+def test_progression_slots_are_the_best_geometric_progression_of_frequencies():
+    score = torch.rand(16, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for m in (1, 2, 3, 5, 16):
+        kept = progression_slots(score, m)
+        freqs, comps = kept // 3, kept % 3
+        step = int(freqs[1]) if m > 1 else 1
+        assert torch.equal(freqs, torch.arange(m) * step)  # 0, s, 2s, ...: one rope base holds them
+        assert torch.equal(comps, score[freqs].argmax(1))  # each frequency keeps its best component
+        totals = {s: float(score[torch.arange(m) * s].max(1).values.sum()) for s in range(1, 16)
+                  if (m - 1) * s < 16}
+        assert float(score[freqs, comps].sum()) == max(totals.values())  # brute force over every step
+    with pytest.raises(ValueError, match="at most 16 slots"):
+        progression_slots(score, 17)

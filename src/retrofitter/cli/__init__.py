@@ -1,4 +1,4 @@
-"""Command line: ``retrofitter {fetch,compress,mla,linearize,heal,eval,bench,report,demo}``.
+"""Command line: ``retrofitter {fetch,compress,mla,linearize,heal,export,eval,bench,report,demo}``.
 
 Each command maps its flags onto one function (``jobs``, ``demo``, ``eval.bench``, ``eval.report``)
 and prints / writes what it returns. The flags of ``compress`` and ``linearize`` are generated from
@@ -171,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", type=Path, help="directories holding *.json results (or JSON files)")
     report.add_argument("--out", type=Path, default=None, help="output directory (default: the first run dir)")
 
+    export = commands.add_parser("export", help="write a model converted to MLA for other engines: a plain "
+                                 "transformers DeepSeek-V3 directory (hf) or a llama.cpp GGUF (gguf)")
+    export.add_argument("model", help="a retrofitter output directory (MLA), or any model for --format gguf")
+    export.add_argument("--format", dest="fmt", choices=("hf", "gguf"), required=True)
+    export.add_argument("--out", type=Path, required=True, help="output directory (hf) or .gguf file (gguf)")
+    export.add_argument("--outtype", choices=("f32", "bf16"), default="f32", help="GGUF weight type (default f32)")
+    export.add_argument("--overwrite", action="store_true", help="replace a previous export at --out")
+    export.add_argument("--no-verify", action="store_true", help="skip the logits check of the written model")
+    export.add_argument("--quiet", action="store_true")
+
     demo = commands.add_parser("demo", help="the main job on the default model: fetch, compress, eval, bench, report")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--model", default="smollm2-135m")
@@ -249,6 +259,17 @@ def cmd_mla(args) -> int:
     return _show(mla_job(args.model, args.out, config_from_args(MLAConfig, args), _eval_config(args, args.seq_len),
                          calib=args.calib, calib_samples=args.calib_samples, seq_len=args.seq_len,
                          overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet), args)
+
+
+def cmd_export(args) -> int:
+    from ..jobs import export_job
+
+    record = export_job(args.model, args.out, args.fmt, outtype=args.outtype, overwrite=args.overwrite,
+                        verify=not args.no_verify, progress=not args.quiet)
+    parity = record.get("parity", {})
+    check = f", logits max rel. error {parity['max_rel_error']:.1e}" if parity.get("checked") else ""
+    print(f"{record['format']} export ({record['architecture']}{check}): {args.out}")
+    return 0
 
 
 def cmd_heal(args) -> int:
@@ -330,7 +351,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla": cmd_mla, "linearize": cmd_linearize, "heal": cmd_heal,
-            "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
+            "export": cmd_export, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 
 def _input_paths(args) -> dict:

@@ -1,0 +1,1 @@
+"""Inference engines outside retrofitter that exported models run in (llama.cpp, built from source)."""
