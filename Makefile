@@ -27,7 +27,7 @@ test: venv llama-cpp
 	$(PY) -m pytest -q
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not real_model"
+	$(PY) -m pytest -q -m "not real_model and not engine"
 
 # The math-heavy tests again under other CPU kernels: oneDNN/ATen's portable (non-AVX) code, MKL's
 # conditional-numerical-reproducibility path (another dgemm kernel) and one thread. A test that holds only

@@ -1,16 +1,19 @@
 """retrofitter: convert a pretrained Transformer LM into a cheaper architecture without pre-training.
 
 Public API (lazy, so ``import retrofitter`` stays cheap):
-``compress``, ``convert_to_mla``, ``linearize``, ``heal``, ``evaluate``, ``quantize``, ``load``, ``save``, ``CompressConfig``,
+``compress``, ``convert_to_mla``, ``linearize``, ``heal``, ``export``, ``evaluate``, ``quantize``, ``load``, ``save``,
+``load_model``, ``load_tokenizer``, ``CompressConfig``,
 ``LinearizeConfig``, ``HealConfig``, ``MLAConfig``.
 """
 
 from .version import __version__
 
-__all__ = ["__version__", "compress", "convert_to_mla", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model",
+__all__ = ["__version__", "compress", "convert_to_mla", "linearize", "heal", "export", "evaluate", "quantize", "load", "save",
+           "load_model", "load_tokenizer",
            "CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig", "MLAConfig"]
 
-_API_NAMES = {"compress", "convert_to_mla", "linearize", "heal", "evaluate", "quantize", "load", "save", "load_model"}
+_API_NAMES = {"compress", "convert_to_mla", "linearize", "heal", "export", "evaluate", "quantize", "load", "save", "load_model",
+              "load_tokenizer"}
 _CONFIG_NAMES = {"CompressConfig", "LinearizeConfig", "HealConfig", "EvalConfig"}
 
 

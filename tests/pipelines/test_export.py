@@ -123,3 +123,20 @@ def test_cli_export_from_a_saved_mla_directory(tmp_path, capsys):
     assert record["method"] == "mla" and record["original_model"] == "tiny"
     assert main(["export", str(tmp_path / "mla"), "--format", "hf", "--out", str(tmp_path / "mla")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_gguf_refusals_come_before_llama_cpp_is_needed(tmp_path):
+    from retrofitter.config import CompressConfig
+    from retrofitter.pipelines.export import export_gguf
+
+    tokenizer = build_tiny_tokenizer()
+    with pytest.raises(ValueError, match="float16 cannot hold"):
+        export_gguf(_mla(strong_tiny("llama")), tmp_path / "m.gguf", tokenizer, outtype="f16")
+    compressed = retrofitter.compress(strong_tiny("llama"), CompressConfig(ratio=0.3, batch_size=4), CALIBRATION,
+                                      progress=False)
+    compressed = compressed[0] if isinstance(compressed, tuple) else compressed
+    with pytest.raises(ExportError, match="no engine format holds"):
+        export_gguf(compressed, tmp_path / "m.gguf", tokenizer)
+    with pytest.raises(ExportError, match="--rope-selection progression"):
+        export_gguf(_mla(strong_tiny("llama"), selection="score"), tmp_path / "m.gguf", tokenizer)
+    assert not any(tmp_path.iterdir())

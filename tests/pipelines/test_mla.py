@@ -21,10 +21,10 @@ SUPPORTED = ["llama", "mistral", "qwen2"]
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
 
 
-def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5):
+def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, selection="progression"):
     model = strong_tiny(family, dtype=dtype)
-    convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=rope_fraction, damping=1e-9), CALIBRATION,
-                   progress=False)
+    convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=rope_fraction, rope_selection=selection,
+                                    damping=1e-9), CALIBRATION, progress=False)
     return model
 
 
@@ -39,7 +39,8 @@ def test_full_budget_reproduces_the_original_logits(family, random_ids):
     original = strong_tiny(family, dtype=torch.float64)
     with torch.no_grad():
         expected = original(random_ids).logits
-    model = _converted(family, kv_ratio=1.0)  # every rotary slot shared, latent of full rank
+    # every rotary slot shared (more than one per frequency: "score"), latent of full rank
+    model = _converted(family, kv_ratio=1.0, selection="score")
     assert all(isinstance(layer.self_attn, MLAAttention) for layer in model.model.layers)
     with torch.no_grad():
         got = model(random_ids).logits
@@ -132,6 +133,10 @@ def test_config_is_checked_when_built():
     with pytest.raises(ValueError, match="rope_fraction"):
         MLAConfig(rope_fraction=-0.1)
     assert MLAConfig.from_dict(MLAConfig(kv_ratio=0.5).to_dict()) == MLAConfig(kv_ratio=0.5)
+    model = strong_tiny("llama")  # the default progression holds one rotary slot per frequency: 8 dims here
+    with pytest.raises(ValueError, match="asks 16: lower --rope-fraction or use --rope-selection score"):
+        convert_to_mla(model, MLAConfig(kv_ratio=1.0, rope_fraction=0.5), CALIBRATION, progress=False)
+    assert not any(isinstance(m, MLAAttention) for m in model.modules())
 
 
 def test_heal_adapts_the_mla_tensors_and_merges_exactly(tmp_path):

@@ -205,8 +205,10 @@ def deepseek_v3_checkpoint(model: nn.Module, dtype: torch.dtype = torch.float32
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "moe_intermediate_size": config.intermediate_size,
         "num_hidden_layers": n_layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-        "n_shared_experts": 1, "n_routed_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": n_layers,
+        # every layer dense, so no expert is ever built; the counts must still be ints (transformers) with
+        # n_group < n_routed_experts and num_experts_per_tok <= n_routed_experts (llama.cpp's loader asserts)
+        "n_shared_experts": 0, "n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "first_k_dense_replace": n_layers,
         "kv_lora_rank": kv_rank, "q_lora_rank": None, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
         "v_head_dim": head_dim, "head_dim": rope, "hidden_act": config.hidden_act,
         "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": DEEPSEEK_EPS,

@@ -172,6 +172,10 @@ def export_gguf(model: nn.Module, out, tokenizer, overwrite: bool = False, outty
         hf_dir = Path(scratch) / "hf"
         if mla:
             record = export_hf(model, hf_dir, tokenizer, verify=verify, metadata=metadata)
+            # a plain q projection: transformers wants q_lora_rank null, llama.cpp's loader requires the key
+            # (0 = none) and its converter writes it only when it is not null
+            config_path = hf_dir / "config.json"
+            config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"q_lora_rank": 0}, indent=2))
         else:
             model.save_pretrained(hf_dir, safe_serialization=True)
             _write_side_files(model, hf_dir, tokenizer)

@@ -36,9 +36,10 @@ class MLAConfig(JsonRoundTrip):
 
     kv_ratio: float = option(0.25, "cached numbers per token and layer, as a fraction of the original's 2·n_kv·d_h")
     rope_fraction: float = option(1 / 3, "share of that budget in the shared rotary key (the rest: the latent)")
-    rope_selection: str = option("score", "which rotary slots keep RoPE: score (size x error of dropping the "
-                                 "rotation), progression (the same score over the frequencies 0, s, 2s, ...: exports to DeepSeek-V3), "
-                                 "energy (size only), frequency (highest first)", choices=SLOT_SELECTIONS)
+    rope_selection: str = option("progression", "which rotary slots keep RoPE: progression (the frequencies 0, s, "
+                                 "2s, ... with the step and components of the highest score: one rope base, so it "
+                                 "exports to DeepSeek-V3), score (size x error of dropping the rotation, any "
+                                 "slots), energy (size only), frequency (highest first)", choices=SLOT_SELECTIONS)
     kv_metric: str = option("diagonal", "how the joint k/v latent weighs its errors: diagonal (key rows by query "
                             "energy) or output (keys through the query covariance, values through o_proj)",
                             choices=("diagonal", "output"))
@@ -76,6 +77,10 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                 raise ValueError(f"layer {index} projection {name!r} is a LatentLinear: this model was compressed "
                                  f"before; convert the original model to MLA (then compress its MLPs)")
     kv_rank, rope_dim = mla_budget(config.kv_ratio, layout.n_kv_heads, layout.head_dim, config.rope_fraction)
+    if config.rope_selection == "progression" and rope_dim > layout.head_dim:
+        raise ValueError(f"--rope-selection progression keeps at most one rotary slot per frequency pair (a rotary "
+                         f"key of {layout.head_dim}); --kv-ratio {config.kv_ratio:g} with --rope-fraction "
+                         f"{config.rope_fraction:g} asks {rope_dim}: lower --rope-fraction or use --rope-selection score")
     inv_freq = model_inv_freq(model)
     model.eval()
     stream = capture_stream(model, adapter, calibration, config.batch_size)

@@ -1,0 +1,136 @@
+"""Measurements of an exported GGUF inside the real llama.cpp build (engines/llama_cpp.py), and the same
+scoring on the PyTorch side so the two compare like with like.
+
+``llama-perplexity`` tokenizes the whole file (a BOS first when the vocabulary says so), cuts it into
+``n_chunk = n_tokens // n_ctx`` windows, puts the BOS at the start of each window (when add_bos) and scores
+only the second half: the logits at positions ``first = n_ctx/2 … n_ctx − 2`` predicting the next token
+(tools/perplexity/perplexity.cpp). ``reference_perplexity`` is that rule over token ids in PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..engines.llama_cpp import EngineBuildError, run_tool
+
+__all__ = ["gguf_metadata", "gguf_bos_id", "text_ids", "llama_perplexity", "reference_perplexity", "llama_generate",
+           "llama_bench", "llama_kv_cache_mib"]
+
+_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+_KV = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB \(\s*(\d+) cells.*K \((\w+)\):\s*([0-9.]+) MiB, "
+                 r"V \((\w+)\):\s*([0-9.]+) MiB")
+
+
+def gguf_metadata(path) -> dict:
+    """The scalar key/values of a GGUF file (``general.architecture``, ``<arch>.attention.kv_lora_rank``, ...)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(path))
+    out = {}
+    for name, field in reader.fields.items():
+        if not field.types or field.types[0] == GGUFValueType.ARRAY:
+            continue
+        value = field.parts[field.data[0]]
+        out[name] = (bytes(value).decode("utf-8") if field.types[0] == GGUFValueType.STRING else value.item())
+    return out
+
+
+def llama_perplexity(gguf, text_file, n_ctx: int, chunks: int | None = None, threads: int | None = None,
+                     cache_type: str = "f32") -> dict:
+    """``llama-perplexity`` on ``text_file``: {"ppl", "ppl_stderr", "chunks", "seconds"}. The KV cache in
+    ``cache_type`` (f32 by default, so the comparison with float32 PyTorch is not an f16-cache one)."""
+    args = ["-m", str(gguf), "-f", str(text_file), "-c", str(n_ctx), "-b", str(n_ctx), "-ctk", cache_type,
+            "-ctv", cache_type]
+    if chunks is not None:
+        args += ["--chunks", str(chunks)]
+    if threads is not None:
+        args += ["-t", str(threads)]
+    start = time.perf_counter()
+    result = run_tool("llama-perplexity", args)
+    match = _PPL.search(result.stdout + result.stderr)
+    if match is None:
+        raise EngineBuildError("llama-perplexity printed no final estimate")
+    counted = re.search(r"computing over (\d+) chunks|calculating perplexity over (\d+) chunks", result.stderr)
+    n_chunks = int(next(g for g in counted.groups() if g)) if counted else None
+    return {"ppl": float(match.group(1)), "ppl_stderr": float(match.group(2)), "chunks": n_chunks, "n_ctx": n_ctx,
+            "cache_type": cache_type, "seconds": round(time.perf_counter() - start, 2)}
+
+
+@torch.no_grad()
+def reference_perplexity(model: nn.Module, ids: torch.Tensor, n_ctx: int, bos_id: int | None = None,
+                         chunks: int | None = None) -> dict:
+    """llama-perplexity's scoring of the token ids ``ids`` [n] (module docstring); ``bos_id`` when the
+    vocabulary adds a BOS (``ids`` then start with it, as llama.cpp's tokenization does)."""
+    n_chunk = ids.numel() // n_ctx
+    if chunks is not None:
+        n_chunk = min(n_chunk, chunks)
+    if n_chunk < 1 or ids.numel() < 2 * n_ctx:
+        raise ValueError(f"llama-perplexity needs at least {2 * n_ctx} tokens for a context of {n_ctx}")
+    device = next(model.parameters()).device
+    first = n_ctx // 2
+    nll, count = 0.0, 0
+    for i in range(n_chunk):
+        window = ids[i * n_ctx:(i + 1) * n_ctx].clone()
+        if bos_id is not None:
+            window[0] = bos_id
+        logits = model(window[None].to(device)).logits[0].double().cpu()  # [n_ctx, V]
+        logp = torch.log_softmax(logits[first:n_ctx - 1], dim=-1)
+        target = ids[i * n_ctx + first + 1:(i + 1) * n_ctx]
+        nll -= float(logp.gather(1, target[:, None]).sum())
+        count += target.numel()
+    return {"ppl": math.exp(nll / count), "chunks": n_chunk, "n_ctx": n_ctx, "scored_tokens": count}
+
+
+def llama_generate(gguf, prompt: str, n_tokens: int) -> str:
+    """Greedy continuation of ``prompt`` by ``llama-simple`` (its printed text after the prompt's pieces)."""
+    result = run_tool("llama-simple", ["-m", str(gguf), "-n", str(n_tokens), prompt])
+    text = result.stdout.removesuffix("\n")
+    if not text.startswith(prompt):
+        raise EngineBuildError("llama-simple's output does not start with the prompt: " + text[:80])
+    return text[len(prompt):]
+
+
+def llama_kv_cache_mib(log: str) -> list[dict]:
+    """The ``llama_kv_cache: size = …`` lines of a llama.cpp log: [{"mib", "cells", "k_type", "k_mib", ...}]."""
+    return [{"mib": float(m[0]), "cells": int(m[1]), "k_type": m[2], "k_mib": float(m[3]), "v_type": m[4],
+             "v_mib": float(m[5])} for m in _KV.findall(log)]
+
+
+def llama_bench(gguf, depths: list[int], n_gen: int = 32, repetitions: int = 3, threads: int | None = None,
+                cache_type: str = "f16") -> list[dict]:
+    """``llama-bench`` decode speed after ``depth`` tokens of context, one entry per depth: {"depth",
+    "tokens_per_s", "stddev", "kv_cache_mib"} (the cache llama.cpp allocated for that context, from its log)."""
+    out = []
+    for depth in depths:
+        args = ["-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions), "-o", "json",
+                "-ctk", cache_type, "-ctv", cache_type, "-v"]
+        if threads is not None:
+            args += ["-t", str(threads)]
+        result = run_tool("llama-bench", args)
+        rows = json.loads(result.stdout)
+        kv = llama_kv_cache_mib(result.stderr)
+        out.append({"depth": depth, "n_gen": n_gen, "tokens_per_s": float(rows[0]["avg_ts"]),
+                    "stddev": float(rows[0]["stddev_ts"]), "threads": int(rows[0]["n_threads"]),
+                    "kv_cache": kv[-1] if kv else None})
+    return out
+
+
+def gguf_bos_id(gguf) -> int | None:
+    """The BOS id llama.cpp puts first (None when the vocabulary does not add one)."""
+    meta = gguf_metadata(gguf)
+    if not meta.get("tokenizer.ggml.add_bos_token", False):
+        return None
+    return int(meta["tokenizer.ggml.bos_token_id"])
+
+
+def text_ids(tokenizer, text_file, bos_id: int | None) -> torch.Tensor:
+    """The ids llama-perplexity scores for ``text_file``: the tokenizer's ids, a BOS first when added."""
+    ids = tokenizer(Path(text_file).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    return torch.tensor(([bos_id] if bos_id is not None else []) + ids, dtype=torch.long)
