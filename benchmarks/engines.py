@@ -28,6 +28,8 @@ import transformers
 
 import retrofitter
 from retrofitter.data.corpora import load_text
+from retrofitter.engines.llama_cpp import llama_cpp_dir
+from retrofitter.eval.engine_table import ENGINES_KIND
 from retrofitter.eval.llama_cpp import (gguf_bos_id, llama_bench, llama_generate, llama_perplexity,
                                         reference_perplexity, text_ids)
 from retrofitter.pipelines.export import export_gguf, export_hf
@@ -112,7 +114,8 @@ def main() -> None:
     text_file.write_text(load_text("wiki-eval")[:12 * args.n_ctx * args.ppl_chunks])
     ids = text_ids(tokenizer, text_file, None)
     gguf = _export(args, original, mla, tokenizer)
-    record = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "files": gguf,
+    record = {"kind": ENGINES_KIND, "llama_cpp": json.loads((llama_cpp_dir() / "build.json").read_text()),
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "files": gguf,
               "gguf_bytes": {k: Path(v).stat().st_size for k, v in gguf.items() if k != "hf"}}
     record["transformers_parity"] = _transformers_parity(args, mla, tokenizer, ids)
     record["llama_cpp_parity"] = _llama_cpp_parity(args, {"original": original, "mla": mla}, tokenizer, gguf,

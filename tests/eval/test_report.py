@@ -75,7 +75,7 @@ def test_collect_runs_tells_results_bench_and_other_files_apart(run_dir):
 def test_missing_run_dir_and_empty_dir_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         collect_runs([tmp_path / "nowhere"])
-    with pytest.raises(ValueError, match="no results or bench JSON"):
+    with pytest.raises(ValueError, match="no results, bench or engines JSON"):
         write_report([tmp_path])
 
 
@@ -93,7 +93,7 @@ def test_report_writes_markdown_with_tables_and_all_plots(run_dir, tmp_path):
     assert "skipped 4096" in text
     assert "15.0×" in text and "2.50×" in text and "1.75×" in text  # compression cost figures
     assert "Test CPU" in text and "Generated " in text
-    assert "config.json: neither a results nor a bench JSON" in text
+    assert "config.json: neither a results, bench nor engines JSON" in text
 
 
 def test_cost_table_only_lists_results_with_cost():
@@ -153,3 +153,20 @@ def test_report_cli(run_dir, tmp_path, capsys):
     assert (tmp_path / "cli" / "report.md").is_file()
     assert "report.md" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_an_engines_record_becomes_its_own_section(tmp_path):
+    speed = {"original": {"tokens_per_s": 20.0, "stddev": 0.5, "kv_cache": {"mib": 180.0}},
+             "mla": {"tokens_per_s": 26.0, "stddev": 0.4, "kv_cache": {"mib": 45.0}}}
+    record = {"kind": "engines", "llama_cpp": {"tag": "b11434"},
+              "settings": {"mla": "runs/mla", "model": "smollm2-135m", "threads": 2, "n_gen": 32, "repeats": 3},
+              "transformers_parity": {"tokens": 512, "max_rel_error": 3e-6, "greedy_tokens": 64, "greedy_equal": True,
+                                      "greedy_min_margin": 0.02},
+              "llama_cpp_parity": {"mla": {"n_ctx": 512, "chunks": 8, "llama_cpp_ppl": 20.1, "retrofitter_ppl": 20.0,
+                                           "ppl_rel_diff": 0.005, "greedy_text_equal": False}},
+              "llama_cpp_speed": {"f32": {"8192": speed}}}
+    (tmp_path / "engines.json").write_text(json.dumps(record))
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    assert "## Exported models in other engines" in text and "llama.cpp b11434" in text
+    assert "| f32 | 8192 | 20.00 ± 0.50 | 26.00 ± 0.40 | 1.30× | 180.0 | 45.0 | 0.250× |" in text
+    assert "20.1000 vs 20.0000 (+5.0e-03)" in text and "greedy text equal to transformers' | no |" in text

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bench import machine_info
+from .engine_table import ENGINES_KIND, engine_section
 from .bench_table import format_bench_table
 from .plots import PLOTS
 from .table import format_results_table
@@ -27,6 +28,7 @@ class RunData:
 
     results: list[dict] = field(default_factory=list)
     benches: list[dict] = field(default_factory=list)
+    engines: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
@@ -51,10 +53,12 @@ def collect_runs(paths) -> RunData:
                 continue
             if isinstance(content, dict) and content.get("kind") == "bench":
                 data.benches.append({**content, "_source": file.stem})
+            elif isinstance(content, dict) and content.get("kind") == ENGINES_KIND:
+                data.engines.append({**content, "_source": file.stem})
             elif isinstance(content, dict) and "ppl" in content and "params" in content:
                 data.results.append({**content, "_source": file.stem})
             else:
-                data.skipped.append(f"{file}: neither a results nor a bench JSON")
+                data.skipped.append(f"{file}: neither a results, bench nor engines JSON")
                 continue
             data.files.append(str(file))
     return data
@@ -187,12 +191,12 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
     if not run_dirs:
         raise ValueError("give at least one run directory")
     data = collect_runs(run_dirs)
-    if not data.results and not data.benches:
-        raise ValueError(f"no results or bench JSON files found in {[str(p) for p in run_dirs]}")
+    if not data.results and not data.benches and not data.engines:
+        raise ValueError(f"no results, bench or engines JSON files found in {[str(p) for p in run_dirs]}")
     out = Path(out) if out is not None else (run_dirs[0] if run_dirs[0].is_dir() else run_dirs[0].parent)
     _drop_unrenderable(data)
-    if not data.results and not data.benches:
-        raise ValueError("no results or bench JSON file could be read: " + "; ".join(data.skipped))
+    if not data.results and not data.benches and not data.engines:
+        raise ValueError("no results, bench or engines JSON file could be read: " + "; ".join(data.skipped))
     with tempfile.TemporaryDirectory(prefix="retrofitter-report-") as staging:  # nothing in out until it all worked
         lines = _report_lines(data, Path(staging), run_dirs, title)
         (Path(staging) / "report.md").write_text("\n".join(lines))
@@ -208,7 +212,7 @@ def write_report(run_dirs, out=None, title: str = "retrofitter report") -> Path:
 def _drop_unrenderable(data: RunData) -> None:
     """Move every results / bench JSON whose fields the tables cannot render (a wrong type, say) to
     ``data.skipped``, naming the file and the error, so that one bad file costs its rows, not the report."""
-    for kind, renders in (("results", _render_result), ("benches", _bench_section)):
+    for kind, renders in (("results", _render_result), ("benches", _bench_section), ("engines", engine_section)):
         kept = []
         for content in getattr(data, kind):
             try:
@@ -276,6 +280,10 @@ def _report_lines(data: RunData, out: Path, run_dirs: list[Path], title: str) ->
         lines += ["## Speed and memory", ""]
         for bench in data.benches:
             lines += _bench_section(bench)
+    if data.engines:
+        lines += ["## Exported models in other engines", ""]
+        for record in data.engines:
+            lines += engine_section(record)
     figures = []
     for name, (plot, caption) in PLOTS.items():
         written = plot(results, data.benches, out / "plots" / f"{name}.png")

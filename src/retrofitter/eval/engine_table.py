@@ -1,0 +1,53 @@
+"""Markdown for an engines record (``"kind": "engines"``, written by benchmarks/engines.py): parity of the
+exported model in transformers and llama.cpp, and llama.cpp decode speed and KV cache per context."""
+
+from __future__ import annotations
+
+__all__ = ["ENGINES_KIND", "engine_section"]
+
+ENGINES_KIND = "engines"
+
+
+def _parity_lines(record: dict) -> list[str]:
+    lines = ["| check | value |", "|---|---|"]
+    hf = record.get("transformers_parity", {})
+    if hf:
+        lines.append(f"| transformers (DeepSeek-V3 export): logits max rel. error over {hf['tokens']} tokens | "
+                     f"{hf['max_rel_error']:.2e} |")
+        lines.append(f"| transformers: greedy {hf['greedy_tokens']} tokens equal to retrofitter's | "
+                     f"{'yes' if hf['greedy_equal'] else 'no'} (min top-2 margin {hf['greedy_min_margin']:.3f}) |")
+    for name, p in record.get("llama_cpp_parity", {}).items():
+        lines.append(f"| llama.cpp {name}: perplexity at {p['n_ctx']} ({p['chunks']} windows, second halves) vs "
+                     f"retrofitter | {p['llama_cpp_ppl']:.4f} vs {p['retrofitter_ppl']:.4f} "
+                     f"({p['ppl_rel_diff']:+.1e}) |")
+        lines.append(f"| llama.cpp {name}: greedy text equal to transformers' | "
+                     f"{'yes' if p['greedy_text_equal'] else 'no'} |")
+    return lines
+
+
+def _speed_lines(record: dict) -> list[str]:
+    lines = ["| weights | context | original tok/s | MLA tok/s | MLA speed | original KV MiB | MLA KV MiB | KV ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for outtype, by_depth in record.get("llama_cpp_speed", {}).items():
+        for depth, pair in by_depth.items():
+            o, m = pair["original"], pair["mla"]
+            kv_o, kv_m = (o.get("kv_cache") or {}).get("mib"), (m.get("kv_cache") or {}).get("mib")
+            ratio = f"{kv_m / kv_o:.3f}×" if kv_o and kv_m else "?"
+            lines.append(f"| {outtype} | {depth} | {o['tokens_per_s']:.2f} ± {o['stddev']:.2f} | "
+                         f"{m['tokens_per_s']:.2f} ± {m['stddev']:.2f} | {m['tokens_per_s'] / o['tokens_per_s']:.2f}× | "
+                         f"{kv_o if kv_o is not None else '?'} | {kv_m if kv_m is not None else '?'} | {ratio} |")
+    return lines
+
+
+def engine_section(record: dict) -> list[str]:
+    """Markdown lines of one engines record."""
+    settings = record.get("settings", {})
+    lines = [f"### `{record.get('_source', 'engines')}.json`", "",
+             f"MLA model `{settings.get('mla', '?')}` against `{settings.get('model', '?')}`; llama.cpp "
+             f"{record.get('llama_cpp', {}).get('tag', '?')}, {settings.get('threads', '?')} threads.", "",
+             *_parity_lines(record), ""]
+    if record.get("llama_cpp_speed"):
+        lines += [f"llama-bench: {settings.get('n_gen', '?')} decode tokens after the context, "
+                  f"{settings.get('repeats', '?')} repetitions, f16 KV cache, the two models alternating.", "",
+                  *_speed_lines(record), ""]
+    return lines
