@@ -160,3 +160,18 @@ def test_heal_adapts_the_mla_tensors_and_merges_exactly(tmp_path):
     retrofitter.save(healed, tmp_path / "healed", metadata={"method": "mla+heal"})
     with torch.no_grad():
         assert torch.equal(load_retrofitted(tmp_path / "healed")(ids).logits, after)  # merged: plain tensors, bitwise
+
+
+def test_progression_uses_one_step_for_every_layer_so_one_rope_base_holds_them():
+    model = strong_tiny("llama", dtype=torch.float64)
+    _, report = convert_to_mla(model, MLAConfig(kv_ratio=0.25, rope_fraction=0.5), CALIBRATION, progress=False)
+    step = report["rope_step"]
+    for layer in model.model.layers:
+        freqs = sorted(int(f) for f in layer.self_attn.freq_index)
+        assert freqs == [j * step for j in range(len(freqs))]
+    _, forced = convert_to_mla(strong_tiny("llama"), MLAConfig(kv_ratio=0.25, rope_fraction=0.5, rope_step=3),
+                               CALIBRATION, progress=False)
+    assert forced["rope_step"] == 3
+    with pytest.raises(ValueError, match="--rope-step 4 does not fit"):
+        convert_to_mla(strong_tiny("llama"), MLAConfig(kv_ratio=0.25, rope_fraction=0.5, rope_step=4), CALIBRATION,
+                       progress=False)

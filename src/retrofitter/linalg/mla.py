@@ -46,7 +46,8 @@ from .svd import output_side_svd
 
 SLOT_SELECTIONS = ("score", "progression", "energy", "frequency")
 
-__all__ = ["SLOT_SELECTIONS", "MLAFactors", "rotary_slots", "progression_slots", "mla_factors",
+__all__ = ["SLOT_SELECTIONS", "MLAFactors", "rotary_slots", "progression_totals", "progression_slots", "slot_scores",
+           "mla_factors",
            "augmented_second_moment", "mla_budget"]
 
 
@@ -129,30 +130,55 @@ def rotary_slots(key_cov: torch.Tensor, query_cov: torch.Tensor, n_heads: int, n
     return U, key_energy, query_energy, score
 
 
-def progression_slots(score: torch.Tensor, m: int) -> torch.Tensor:
-    """[m] slot ids f·g + c (ascending f) of the progression f_j = j·s, j < m, each frequency's best
-    component c, for the step s ≥ 1 that maximises the summed ``score`` [dh/2, g] of the kept slots."""
+def progression_totals(score: torch.Tensor, m: int) -> dict[int, float]:
+    """Step s -> the summed ``score`` [dh/2, g] of the progression f_j = j·s, j < m (each frequency's best
+    component), for every step that fits (m − 1)·s < dh/2. Summed over layers, it picks one step for a model."""
     half, _ = score.shape
     if m > half:
         raise ValueError(f"a progression of rotary frequencies holds at most {half} slots (one per frequency "
                          f"pair), {m} asked: lower rope_fraction or use rope_selection='score'")
+    steps = range(1, (half - 1) // (m - 1) + 1) if m > 1 else range(1, 2)
+    return {step: float(score[torch.arange(m, device=score.device) * step].max(1).values.sum()) for step in steps}
+
+
+def progression_slots(score: torch.Tensor, m: int, step: int | None = None) -> torch.Tensor:
+    """[m] slot ids f·g + c (ascending f) of the progression f_j = j·s, j < m, each frequency's best
+    component c; s = ``step``, or the step of the highest summed ``score`` [dh/2, g] (``progression_totals``)."""
+    totals = progression_totals(score, m)
     if m == 0:
         return torch.zeros(0, dtype=torch.long, device=score.device)
-    steps = range(1, (half - 1) // (m - 1) + 1) if m > 1 else range(1, 2)
-    best, kept = None, None
-    for step in steps:
-        freqs = torch.arange(m, device=score.device) * step
-        comps = score[freqs].argmax(1)
-        total = score[freqs, comps].sum()
-        if best is None or total > best:
-            best, kept = total, freqs * score.shape[1] + comps
-    return kept
+    if step is None or m == 1:  # one slot: frequency 0 whatever the step
+        step = max(totals, key=lambda s: (totals[s], -s))
+    elif step not in totals:
+        raise ValueError(f"rope step {step} does not fit: {m} frequencies j·s need (m - 1)·s < {score.shape[0]}")
+    freqs = torch.arange(m, device=score.device) * step
+    return freqs * score.shape[1] + score[freqs].argmax(1)
+
+
+def _with_bias_column(W: torch.Tensor, b: torch.Tensor | None, biased: bool) -> torch.Tensor:
+    """[out, d + 1] in float64, the bias (or zeros) as the last column, when ``biased``; else [out, d]."""
+    W = W.to(torch.float64)
+    if not biased:
+        return W
+    return torch.cat([W, (b.to(W) if b is not None else W.new_zeros(W.shape[0]))[:, None]], 1)
+
+
+def slot_scores(W_q, b_q, W_k, b_k, second_moment, mean, *, n_heads: int, n_kv_heads: int, head_dim: int,
+                inv_freq: torch.Tensor, context: int = 2048, selection: str = "score") -> torch.Tensor:
+    """The ranking score [dh/2, g] of one layer's rotary slots (``rotary_slots``), from its q/k projections and
+    input statistics as ``mla_factors`` takes them."""
+    f64 = dict(dtype=torch.float64, device=W_q.device)
+    biased = b_q is not None or b_k is not None
+    C = augmented_second_moment(second_moment.to(**f64), mean.to(**f64)) if biased else second_moment.to(**f64)
+    Wq, Wk = _with_bias_column(W_q, b_q, biased), _with_bias_column(W_k, b_k, biased)
+    return rotary_slots(Wk @ C @ Wk.T, Wq @ C @ Wq.T, n_heads, n_kv_heads, head_dim, inv_freq, context,
+                        selection)[3]
 
 
 def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: int, n_kv_heads: int, head_dim: int,
                 inv_freq: torch.Tensor, kv_rank: int, rope_dim: int, context: int = 2048,
                 damping: float = 1e-6, selection: str = "score", metric: str = "diagonal",
-                W_o: torch.Tensor | None = None) -> MLAFactors:
+                W_o: torch.Tensor | None = None, rope_step: int | None = None) -> MLAFactors:
     """The MLA weights of one layer (module docstring) from its q/k/v projections (weights [out, d], biases
     [out] or None) and the input statistics E[x xᵀ] [d, d], E[x] [d]. ``metric``: how the joint k/v fit
     weighs its rows, ``"diagonal"`` (key rows by their slot's query energy) or ``"output"`` (the score error
@@ -166,19 +192,13 @@ def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: i
         raise ValueError(f"kv_rank must lie in [1, {n_kv_heads * head_dim + 2 * (slots - m)}], got {kv_rank}")
     biased = any(b is not None for b in (b_q, b_k, b_v))
 
-    def augmented(W, b):  # [out, d + 1] (bias as the last column) or [out, d]
-        W = W.to(**f64)
-        if not biased:
-            return W
-        return torch.cat([W, (b.to(**f64) if b is not None else W.new_zeros(W.shape[0]))[:, None]], 1)
-
-    Wq, Wk, Wv = augmented(W_q, b_q), augmented(W_k, b_k), augmented(W_v, b_v)
+    Wq, Wk, Wv = (_with_bias_column(W, b, biased) for W, b in ((W_q, b_q), (W_k, b_k), (W_v, b_v)))
     C = augmented_second_moment(second_moment.to(**f64), mean.to(**f64)) if biased else second_moment.to(**f64)
     U, _, query_energy, score = rotary_slots(Wk @ C @ Wk.T, Wq @ C @ Wq.T, n_heads, n_kv_heads, head_dim,
                                              inv_freq, context, selection)
     order = torch.argsort(score.reshape(-1), descending=True, stable=True)  # slot = f·g + c
     if selection == "progression":
-        kept = progression_slots(score, m)
+        kept = progression_slots(score, m, rope_step)
         chosen = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)
         chosen[kept] = True
         rest = order[~chosen[order]]

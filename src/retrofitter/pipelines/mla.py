@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 from ..adapters.mla_attention import check_mla_supported, mla_attention_from_factors, model_inv_freq
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
-from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors
+from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
 from ..modules.latent_linear import LatentLinear
 from .calibration import capture_stream, collect_input_moments
 
-__all__ = ["MLAConfig", "convert_to_mla"]
+__all__ = ["MLAConfig", "convert_to_mla", "shared_progression_step"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class MLAConfig(JsonRoundTrip):
     kv_metric: str = option("diagonal", "how the joint k/v latent weighs its errors: diagonal (key rows by query "
                             "energy) or output (keys through the query covariance, values through o_proj)",
                             choices=("diagonal", "output"))
+    rope_step: int = option(0, "progression step s (frequencies 0, s, 2s, ...), one for every layer; 0: the step "
+                            "of the highest score summed over the layers, on the original model's statistics")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -57,9 +59,35 @@ class MLAConfig(JsonRoundTrip):
             raise ValueError(f"rope_selection must be one of {SLOT_SELECTIONS}, got {self.rope_selection!r}")
         if self.kv_metric not in ("diagonal", "output"):
             raise ValueError(f"kv_metric must be 'diagonal' or 'output', got {self.kv_metric!r}")
+        if self.rope_step < 0:
+            raise ValueError(f"rope_step (--rope-step) must be >= 0 (0: chosen), got {self.rope_step}")
         if self.rope_context < 1 or self.batch_size < 1 or self.damping <= 0:
             raise ValueError("rope_context and batch_size must be >= 1 and damping > 0; got "
                              f"{self.rope_context}, {self.batch_size}, {self.damping}")
+
+
+@torch.no_grad()
+def shared_progression_step(model: nn.Module, config: MLAConfig, calibration: torch.Tensor, m: int,
+                            progress: bool = True) -> int:
+    """The progression step s whose slots score highest summed over every layer (``linalg.mla.progression_totals``),
+    on the original model's calibration stream: one step, so one rope base holds every layer (the export)."""
+    adapter = adapter_for(model)
+    layout = adapter.attention_layout(model)
+    inv_freq = model_inv_freq(model)
+    stream = capture_stream(model, adapter, calibration, config.batch_size)
+    totals: dict[int, float] = {}
+    for layer in tqdm(adapter.decoder_layers(model), desc="mla rope step", disable=not progress):
+        q, k = adapter.get_linear(layer, "q"), adapter.get_linear(layer, "k")
+        moments = collect_input_moments(layer, stream, {"q": q})["q"]
+        score = slot_scores(q.weight, q.bias, k.weight, k.bias, moments.second_moment, moments.mean,
+                            n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+                            inv_freq=inv_freq, context=config.rope_context, selection="progression")
+        for s, total in progression_totals(score, m).items():
+            totals[s] = totals.get(s, 0.0) + total / float(score.sum().clamp_min(1e-30))  # each layer counts alike
+        stream = stream.advance(layer)
+    step = max(totals, key=lambda s: (totals[s], -s))
+    log.info("progression step %d (summed normalised scores %s)", step, totals)
+    return step
 
 
 @torch.no_grad()
@@ -81,8 +109,14 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         raise ValueError(f"--rope-selection progression keeps at most one rotary slot per frequency pair (a rotary "
                          f"key of {layout.head_dim}); --kv-ratio {config.kv_ratio:g} with --rope-fraction "
                          f"{config.rope_fraction:g} asks {rope_dim}: lower --rope-fraction or use --rope-selection score")
+    if config.rope_step and (rope_dim // 2 - 1) * config.rope_step >= layout.head_dim // 2:
+        raise ValueError(f"--rope-step {config.rope_step} does not fit: {rope_dim // 2} frequencies 0, s, 2s, ... "
+                         f"need (m - 1)·s < {layout.head_dim // 2}")
     inv_freq = model_inv_freq(model)
     model.eval()
+    step = None
+    if config.rope_selection == "progression":
+        step = config.rope_step or shared_progression_step(model, config, calibration, rope_dim // 2, progress)
     stream = capture_stream(model, adapter, calibration, config.batch_size)
     reports = []
     for index, layer in enumerate(tqdm(layers, desc=f"mla kv {config.kv_ratio:g}", disable=not progress)):
@@ -93,7 +127,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               moments.mean, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads,
                               head_dim=layout.head_dim, inv_freq=inv_freq, kv_rank=kv_rank, rope_dim=rope_dim,
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
-                              metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight)
+                              metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)
         adapter.set_attention(layer, module)
         stream = stream.advance(layer)
@@ -104,6 +138,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                  module.freq_index.tolist())
     original = 2 * layout.n_kv_heads * layout.head_dim
     return model, {"method": "mla", "config": config.to_dict(), "kv_rank": kv_rank, "rope_dim": rope_dim,
+                   "rope_step": step,
                    "cache_numbers_per_token_per_layer": kv_rank + rope_dim,
                    "original_cache_numbers_per_token_per_layer": original,
                    "kv_fraction": (kv_rank + rope_dim) / original, "layers": reports,
