@@ -179,3 +179,15 @@ def test_static_cache_refusals():
         make_cache(_model("softmax"), "static")
     with pytest.raises(ValueError, match="cache kind"):
         make_cache(_model("softmax"), "paged")
+
+
+def test_the_floor_s_zeros_are_data_the_compiler_cannot_fold():
+    # new_zeros() would be a compile-time constant: inductor folds what it feeds (q = k = v = 0 makes the
+    # attention dead code). The floor's zeros are a buffer, read at run time: changing it changes the output.
+    skip = SkippedProjection(8)
+    step = torch.compile(lambda x: torch.softmax(skip(x), -1) * 2 + skip(x), backend="inductor", dynamic=False)
+    x = torch.randn(2, 3, 5)
+    torch.testing.assert_close(step(x), torch.full((2, 3, 8), 0.25))
+    with torch.no_grad():
+        skip.source.fill_(1.0)
+    torch.testing.assert_close(step(x), torch.full((2, 3, 8), 1.25))

@@ -164,9 +164,10 @@ def test_an_engines_record_becomes_its_own_section(tmp_path):
                                       "greedy_min_margin": 0.02},
               "llama_cpp_parity": {"mla": {"n_ctx": 512, "chunks": 8, "llama_cpp_ppl": 20.1, "retrofitter_ppl": 20.0,
                                            "ppl_rel_diff": 0.005, "greedy_text_equal": False}},
-              "llama_cpp_speed": {"f32": {"8192": speed}}}
+              "llama_cpp_speed": {"f32": {"8192": speed, "512": speed}}}
     (tmp_path / "engines.json").write_text(json.dumps(record))
     text = write_report([tmp_path], tmp_path / "out").read_text()
     assert "## Exported models in other engines" in text and "llama.cpp b11434" in text
     assert "| f32 | 8192 | 20.00 ± 0.50 | 26.00 ± 0.40 | 1.30× | 180.0 | 45.0 | 0.250× |" in text
+    assert text.index("| f32 | 512 |") < text.index("| f32 | 8192 |")  # contexts in numeric order
     assert "20.1000 vs 20.0000 (+5.0e-03)" in text and "greedy text equal to transformers' | no |" in text

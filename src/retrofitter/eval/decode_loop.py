@@ -194,14 +194,20 @@ def fill_cache(model: nn.Module, cache, ids: torch.Tensor, context: int) -> torc
 
 
 class SkippedProjection(nn.Module):
-    """Stands in for a projection ``[..., d] -> [..., d_out]``: returns zeros, reads no weight."""
+    """Stands in for a projection ``[..., d] -> [..., d_out]``: returns zeros, reads no weight.
 
-    def __init__(self, out_features: int):
+    The zeros come from a buffer [d_out] (broadcast, then copied to the output's shape), not from a
+    constant: a compiler that saw constant zeros would fold away everything they feed (q = k = v = 0 makes
+    the whole attention dead code), and the floor would time less than the attention it is meant to keep.
+    """
+
+    def __init__(self, out_features: int, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.out_features = int(out_features)
+        self.register_buffer("source", torch.zeros(self.out_features, dtype=dtype, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(*x.shape[:-1], self.out_features)
+        return self.source.to(x.dtype).expand(*x.shape[:-1], self.out_features).contiguous()
 
 
 def _out_features(module: nn.Module) -> int:
@@ -227,8 +233,10 @@ def skip_projections(model: nn.Module) -> nn.Module:
     # memo: the skipped weights are never copied (a weight tied to a kept module, the embeddings, is)
     memo = {id(p): None for m in model.modules() if id(m) in skipped for p in m.parameters() if id(p) not in kept}
     floor = copy.deepcopy(model, memo)
+    embedding = floor.get_input_embeddings().weight
+    where = dict(dtype=embedding.dtype, device=embedding.device)
     for layer in adapter.decoder_layers(floor):
         for name in adapter.linear_names:
-            adapter.set_linear(layer, name, SkippedProjection(_out_features(adapter.get_linear(layer, name))))
-    floor.set_output_embeddings(SkippedProjection(_out_features(floor.get_output_embeddings())))
+            adapter.set_linear(layer, name, SkippedProjection(_out_features(adapter.get_linear(layer, name)), **where))
+    floor.set_output_embeddings(SkippedProjection(_out_features(floor.get_output_embeddings()), **where))
     return floor

@@ -29,7 +29,7 @@ def _speed_lines(record: dict) -> list[str]:
     lines = ["| weights | context | original tok/s | MLA tok/s | MLA speed | original KV MiB | MLA KV MiB | KV ratio |",
              "|---|---|---|---|---|---|---|---|"]
     for outtype, by_depth in record.get("llama_cpp_speed", {}).items():
-        for depth, pair in by_depth.items():
+        for depth, pair in sorted(by_depth.items(), key=lambda item: int(item[0])):  # JSON keys sort as text
             o, m = pair["original"], pair["mla"]
             kv_o, kv_m = (o.get("kv_cache") or {}).get("mib"), (m.get("kv_cache") or {}).get("mib")
             ratio = f"{kv_m / kv_o:.3f}×" if kv_o and kv_m else "?"
