@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES",
+__all__ = ["COMPRESS_CALIB_SAMPLES", "MLA_CALIB_SAMPLES", "DEMO_CALIB_SAMPLES", "DEMO_MAX_EVAL_TOKENS", "CompressConfig", "LinearizeConfig", "EvalConfig", "COMPRESS_METHODS", "HealConfig", "LORA_LOSSES",
            "SHARDING_MODES", "option", "JsonRoundTrip"]
 
 # compress --method -> preconditioner of the local activation-aware SVD (design.md §3, paper Table 1)
@@ -27,6 +27,11 @@ DOWN_FITS = ("anchored", "ridge", "select")  # latentllm joint MLP: pipelines/la
 
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
+# Calibration and evaluation defaults shared by the CLI and the job functions (written once)
+COMPRESS_CALIB_SAMPLES = 64  # blocks of 512 tokens for compress
+MLA_CALIB_SAMPLES = 32       # blocks of 512 tokens for mla
+DEMO_CALIB_SAMPLES = 32
+DEMO_MAX_EVAL_TOKENS = 4096
 SHARDING_MODES = ("ddp", "fsdp")  # training stages under several processes (pipelines/sharding.py)
 
 # How each factored matrix runs (pipelines/form_choice.py) and what the global allocation prices (issue 15).

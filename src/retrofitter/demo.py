@@ -23,7 +23,7 @@ import torch
 
 from .api import (compress, compress_from_statistics, convert_to_mla, evaluate, evaluation_blocks, global_plan_from_statistics,
                   load_model, save, teacher_statistics, write_json)
-from .config import CompressConfig, EvalConfig
+from .config import DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, CompressConfig, EvalConfig
 from .eval.accounting import account
 from .eval.table import format_results_table
 
@@ -31,8 +31,8 @@ __all__ = ["run_demo"]
 
 
 def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2, 0.3), latentllm_ratios=(),
-             corpora=("wiki-eval", "austen"), calib_samples: int = 32, seq_len: int = 512,
-             max_eval_tokens: int = 4096, bench: bool = True, progress: bool = True,
+             corpora=("wiki-eval", "austen"), calib_samples: int = DEMO_CALIB_SAMPLES, seq_len: int = 512,
+             max_eval_tokens: int = DEMO_MAX_EVAL_TOKENS, bench: bool = True, progress: bool = True,
              global_allocation: bool = True, mla_kv_ratios=(0.25,)) -> Path:
     """Run the demo; returns the path of the written report.
 

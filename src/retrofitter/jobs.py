@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .api import compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, export, heal, linearize, load_model, load_tokenizer, save
 from .checkpoint import RETROFITTER_JSON, check_separate_paths, is_retrofitted_dir, output_lock, read_retrofitter_json
-from .config import CompressConfig, EvalConfig, HealConfig, LinearizeConfig
+from .config import COMPRESS_CALIB_SAMPLES, MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
 from .data.corpora import check_corpus, load_text
 from .eval.accounting import account
@@ -35,7 +35,7 @@ NO_EVAL = EvalConfig(corpora=())  # accounting only, no perplexity
 
 
 def compress_job(model_name: str, out, config: CompressConfig, eval_config: EvalConfig = NO_EVAL, *,
-                 calib: str = "wiki-calib", calib_samples: int = 64, seq_len: int = 512, overwrite: bool = False,
+                 calib: str = "wiki-calib", calib_samples: int = COMPRESS_CALIB_SAMPLES, seq_len: int = 512, overwrite: bool = False,
                  measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True,
                  heal_config: HealConfig | None = None, out_of_core: bool = False) -> dict:
     """Compress ``model_name`` on ``calib_samples`` blocks of ``seq_len`` tokens of ``calib``, save to ``out``
@@ -80,7 +80,7 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
     check_context(model, {"--seq-len": seq_len, **eval_lengths(eval_config)})
-    calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
+    calibration = corpus_calibration_blocks(tokenizer, calib, seq_len, calib_samples)
     before = account(model)
     memory = {"before_load": floor_mb, "after_load": current_rss_mb()}
     if measure_cost:  # one plain forward over the calibration tokens: the unit of the cost ratio
@@ -140,7 +140,7 @@ def _compress(model_name, out: Path, config, eval_config, calib, calib_samples, 
 CALIBRATION_CHARS_PER_TOKEN = 16
 
 
-def calibration_blocks(tokenizer, calib: str, seq_len: int, calib_samples: int):
+def corpus_calibration_blocks(tokenizer, calib: str, seq_len: int, calib_samples: int):
     """The first ``calib_samples`` blocks of ``seq_len`` tokens of corpus ``calib`` [n, seq_len].
 
     Tokenizes a prefix of the text first (``CALIBRATION_CHARS_PER_TOKEN`` characters per token wanted): when
@@ -162,7 +162,7 @@ def compress_out_of_core_job(model_name, out: Path, config, calib, calib_samples
     """``compress_job(..., out_of_core=True)`` after its checks: the results record (accounting, no perplexity)."""
     start = time.perf_counter()
     tokenizer = load_tokenizer(model_name)
-    calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
+    calibration = corpus_calibration_blocks(tokenizer, calib, seq_len, calib_samples)
     partial = partial_dir(out)
     metadata = {"method": config.method, "ratio": config.ratio, "source_model": model_name,
                 "config": config.to_dict(), "out_of_core": True,
@@ -187,7 +187,7 @@ def compress_out_of_core_job(model_name, out: Path, config, calib, calib_samples
 
 
 def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, calib: str = "wiki-calib",
-            calib_samples: int = 32, seq_len: int = 512, overwrite: bool = False, dtype="float32", device="cpu",
+            calib_samples: int = MLA_CALIB_SAMPLES, seq_len: int = 512, overwrite: bool = False, dtype="float32", device="cpu",
             progress: bool = True) -> dict:
     """Convert ``model_name``'s attention to MLA (``config``: a ``pipelines.mla.MLAConfig``) on ``calib_samples``
     blocks of ``seq_len`` tokens of ``calib``, save to ``out``, evaluate; the results record. Every argument is
@@ -202,7 +202,7 @@ def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device)
         check_context(model, {"--seq-len": seq_len, **eval_lengths(eval_config)})
         before = account(model)
-        calibration = calibration_blocks(tokenizer, calib, seq_len, calib_samples)
+        calibration = corpus_calibration_blocks(tokenizer, calib, seq_len, calib_samples)
         model, report = convert_to_mla(model, config, calibration, progress=progress)
         metadata = {"method": "mla", "ratio": None, "source_model": model_name, "config": config.to_dict(),
                     "calibration": {"corpus": calib, "blocks": calibration.shape[0], "seq_len": seq_len},

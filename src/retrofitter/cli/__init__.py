@@ -16,7 +16,8 @@ import traceback
 from pathlib import Path
 
 from ..checkpoint import check_separate_paths, check_writable
-from ..config import LINEARIZE_PRESETS, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
+from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, LINEARIZE_PRESETS,
+                      MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, name_list, positive_int_list
@@ -93,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("model")
     add_config_flags(compress, CompressConfig, required=("ratio",))
     compress.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
-    compress.add_argument("--calib-samples", type=int, default=64, help="calibration blocks (default 64)")
+    compress.add_argument("--calib-samples", type=int, default=COMPRESS_CALIB_SAMPLES,
+                          help=f"calibration blocks (default {COMPRESS_CALIB_SAMPLES})")
     compress.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
     compress.add_argument("--measure-cost", action="store_true",
                           help="also time one plain forward over the calibration tokens (compression cost ratio)")
@@ -113,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     mla.add_argument("model")
     add_config_flags(mla, MLAConfig)
     mla.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
-    mla.add_argument("--calib-samples", type=int, default=32, help="calibration blocks (default 32)")
+    mla.add_argument("--calib-samples", type=int, default=MLA_CALIB_SAMPLES,
+                     help=f"calibration blocks (default {MLA_CALIB_SAMPLES})")
     mla.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
     _add_output_flags(mla)
     _add_eval_flags(mla, "--eval", "wiki-eval")
@@ -189,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also run latentllm (global fisher allocation, its own sequential pass) at these ratios")
     demo.add_argument("--mla-kv-ratios", default="0.25",
                       help="also convert the attention to MLA at these KV budgets ('' for none; the first is benched)")
-    demo.add_argument("--max-eval-tokens", type=int, default=4096, help="evaluation tokens per corpus")
-    demo.add_argument("--calib-samples", type=int, default=32, help="calibration blocks of 512 tokens (default 32)")
+    demo.add_argument("--max-eval-tokens", type=int, default=DEMO_MAX_EVAL_TOKENS, help="evaluation tokens per corpus")
+    demo.add_argument("--calib-samples", type=int, default=DEMO_CALIB_SAMPLES,
+                      help=f"calibration blocks of 512 tokens (default {DEMO_CALIB_SAMPLES})")
     demo.add_argument("--no-bench", action="store_true")
     demo.add_argument("--no-global", action="store_true",
                       help="skip the asvd-rootcov rows with global (fisher) rank allocation")

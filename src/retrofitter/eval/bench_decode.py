@@ -160,8 +160,11 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
                 for b in batch_sizes:
                     for label, runner in runners.items():
                         if progress:
-                            print(f"[bench_decode] repetition {repetition + 1}/{warmup + repeats} {mode} b={b} {label}",
-                                  flush=True)
+                            compiling = (" — compiling its prefill and decode step first (minutes on a CPU; inductor "
+                                         "caches the kernels for later runs)"
+                                         if mode == "compiled" and repetition == 0 else "")
+                            print(f"[bench_decode] repetition {repetition + 1}/{warmup + repeats} {mode} b={b} {label}"
+                                  f"{compiling}", flush=True)
                         samples = raw[mode][b][label]
                         if prefill_len:
                             samples["prefill"].append(runner.prefill(mode, b, prefill_len, seed))
