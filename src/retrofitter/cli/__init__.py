@@ -8,19 +8,18 @@ the fields of ``CompressConfig`` / ``LinearizeConfig`` (help texts and defaults 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
 import traceback
 from pathlib import Path
 
-from ..checkpoint import check_separate_paths, check_writable
 from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, LINEARIZE_PRESETS,
                       MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, name_list, positive_int_list
+from .guards import check_json_output, input_paths, quiet_libraries
 
 __all__ = ["main", "build_parser"]
 
@@ -358,61 +357,6 @@ COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla
             "export": cmd_export, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 
-def _input_paths(args) -> dict:
-    """The paths a command reads (flag -> path), which ``--json`` may not replace."""
-    inputs = {}
-    for name, flag in (("model", "MODEL"), ("calib", "--calib"), ("train_corpus", "--train-corpus"),
-                       ("teacher", "--teacher"), ("work_dir", "--work-dir")):
-        if getattr(args, name, None):
-            inputs[flag] = getattr(args, name)
-    for name, flag in (("corpora", "--eval"), ("models", "MODELS"), ("run_dirs", "RUN_DIRS")):
-        for value in getattr(args, name, None) or ():
-            inputs[f"{flag} {value}"] = value
-    return inputs
-
-
-def check_json_output(text: str, inputs: dict) -> Path:
-    """Before any work: ``--json`` names a file that can be written, is not a directory, is none of the inputs
-    (nor inside one), and, if it exists, holds a JSON object (a previous results file), which it replaces."""
-    import json
-
-    path = Path(text)
-    if text.endswith(("/", os.sep)) or path.is_dir():
-        raise ValueError(f"--json {text}: is a directory; give a file name, e.g. {path / 'results.json'}")
-    check_writable(path, "--json")
-    check_separate_paths({"--json": path}, inputs)  # --json inside --out is allowed: it is written after the save
-    if path.exists():
-        try:
-            previous = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            previous = None
-        if not isinstance(previous, dict):
-            raise ValueError(f"--json {text}: exists and is not a results JSON; not replacing it (choose another file)")
-    return path
-
-
-@contextlib.contextmanager
-def _quiet_libraries(quiet: bool):
-    """``--quiet``: no progress bars from transformers, huggingface_hub or any tqdm either (``TQDM_DISABLE``)."""
-    if not quiet:
-        yield
-        return
-    saved = {name: os.environ.get(name) for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    from transformers.utils import logging as hf_logging
-
-    os.environ.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
-    try:
-        hf_logging.disable_progress_bar()
-        yield
-    finally:
-        hf_logging.enable_progress_bar()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 # Failures users cause (bad input, files, settings): one line naming the culprit. Anything else is a bug of
 # ours: one line too, marked as internal, so a user never faces a raw traceback (--debug shows it).
 USER_ERRORS = (RetrofitterError, ValueError, OSError, FloatingPointError)
@@ -428,8 +372,8 @@ def main(argv=None) -> int:
     debug = args.debug or os.environ.get("RETROFITTER_DEBUG", "") not in ("", "0")
     try:
         if getattr(args, "json", None):
-            args.json = check_json_output(args.json, _input_paths(args))
-        with _quiet_libraries(getattr(args, "quiet", False)):
+            args.json = check_json_output(args.json, input_paths(args))
+        with quiet_libraries(getattr(args, "quiet", False)):
             return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(f"retrofitter {args.command}: interrupted", file=sys.stderr)
