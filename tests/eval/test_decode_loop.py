@@ -181,13 +181,18 @@ def test_static_cache_refusals():
         make_cache(_model("softmax"), "paged")
 
 
-def test_the_floor_s_zeros_are_data_the_compiler_cannot_fold():
-    # new_zeros() would be a compile-time constant: inductor folds what it feeds (q = k = v = 0 makes the
-    # attention dead code). The floor's zeros are a buffer, read at run time: changing it changes the output.
+def test_the_floor_keeps_what_feeds_it_under_the_compiler():
+    # zeros made as a constant, with no use of the input, would make the input's producers dead code (an o_proj
+    # ignoring its input lets inductor drop the attention). The floor's zeros are buffers read at run time,
+    # times one column of the input: setting them after compiling changes the output, and the output then
+    # follows the input, so the input was computed.
     skip = SkippedProjection(8)
-    step = torch.compile(lambda x: torch.softmax(skip(x), -1) * 2 + skip(x), backend="inductor", dynamic=False)
-    x = torch.randn(2, 3, 5)
-    torch.testing.assert_close(step(x), torch.full((2, 3, 8), 0.25))
+    step = torch.compile(lambda x: skip(torch.softmax(x @ x.transpose(-1, -2), -1) @ x), backend="inductor",
+                         dynamic=False)
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(step(x), torch.zeros(2, 3, 8))
     with torch.no_grad():
-        skip.source.fill_(1.0)
-    torch.testing.assert_close(step(x), torch.full((2, 3, 8), 1.25))
+        skip.gain.fill_(1.0)
+        skip.source.fill_(0.5)
+    expected = (torch.softmax(x @ x.transpose(-1, -2), -1) @ x)[..., :1] + 0.5
+    torch.testing.assert_close(step(x), expected.expand(2, 3, 8))

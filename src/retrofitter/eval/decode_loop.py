@@ -196,18 +196,21 @@ def fill_cache(model: nn.Module, cache, ids: torch.Tensor, context: int) -> torc
 class SkippedProjection(nn.Module):
     """Stands in for a projection ``[..., d] -> [..., d_out]``: returns zeros, reads no weight.
 
-    The zeros come from a buffer [d_out] (broadcast, then copied to the output's shape), not from a
-    constant: a compiler that saw constant zeros would fold away everything they feed (q = k = v = 0 makes
-    the whole attention dead code), and the floor would time less than the attention it is meant to keep.
+    out = x[..., :1] · gain + source, with ``gain`` [1] and ``source`` [d_out] zero buffers. A compiler must
+    keep what feeds the floor: zeros made as a constant (``new_zeros``) with no use of ``x`` make everything
+    before them dead code — an ``o_proj`` that ignores its input lets inductor drop the whole attention —
+    and the floor would time less than the work it is meant to keep. Buffers are read at run time, and the
+    one column of ``x`` they multiply keeps its producers alive.
     """
 
     def __init__(self, out_features: int, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.out_features = int(out_features)
+        self.register_buffer("gain", torch.zeros(1, dtype=dtype, device=device), persistent=False)
         self.register_buffer("source", torch.zeros(self.out_features, dtype=dtype, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.source.to(x.dtype).expand(*x.shape[:-1], self.out_features).contiguous()
+        return x[..., :1] * self.gain.to(x.dtype) + self.source.to(x.dtype)
 
 
 def _out_features(module: nn.Module) -> int:
