@@ -103,3 +103,35 @@ def test_compressed_mlps_with_linearized_attention_then_one_distillation(compres
     ids = tokenizer("a truth", return_tensors="pt").input_ids
     generated = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert generated.shape[1] == ids.shape[1] + 5
+
+
+@pytest.mark.slow
+def test_torchrun_heal_command_writes_once_and_equals_the_one_process_run(compressed_dir):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tmp, _, corpus, compressed = compressed_dir
+    common = ["heal", str(compressed), "--tokens", "256", "--seq-len", "32", "--lr", "1e-2", "--lora-rank", "4",
+              "--train-corpus", str(corpus), "--no-eval", "--quiet"]
+    # one process at batch 4, and two processes at batch 2 each: the same blocks per step (rank r reads the
+    # r-th half of the step's blocks) and the same mean gradient
+    assert main([*common, "--batch-size", "4", "--out", str(tmp / "one")]) == 0
+    src = Path(retrofitter.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+               "-m", "retrofitter", *common, "--batch-size", "2", "--out", str(tmp / "two")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    for out in ("one", "two"):  # 256 tokens = 8 blocks of 32 = 2 steps of 4 blocks (one process or two)
+        assert json.loads((tmp / out / "retrofitter.json").read_text())["heal"]["steps"] == 2
+    one, _ = retrofitter.load(tmp / "one")
+    two, _ = retrofitter.load(tmp / "two")
+    ids = torch.randint(3, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference, logits = one(ids).logits, two(ids).logits
+    # the same 2 steps; the two-process gradient is an all-reduced sum of two halves, the one-process one a sum
+    # over all four blocks: float32 rounding of a different summation order, through 2 Adam steps at lr 1e-2
+    torch.testing.assert_close(logits, reference, rtol=1e-3, atol=1e-3 * float(reference.abs().max()))
+    assert not any(p.name.startswith((".two.", ".one.")) for p in tmp.iterdir())  # no lock, tmp or work dir left

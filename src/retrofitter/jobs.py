@@ -34,6 +34,12 @@ __all__ = ["compress_job", "mla_job", "linearize_job", "eval_job", "heal_job", "
 NO_EVAL = EvalConfig(corpora=())  # accounting only, no perplexity
 
 
+def torchrun_rank() -> int:
+    """This process's rank in a ``torchrun`` launch (0 outside one): the stages that accelerate runs (heal,
+    linearize) read it from the environment; compress initialises its own group (data_parallel_from_env)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def compress_job(model_name: str, out, config: CompressConfig, eval_config: EvalConfig = NO_EVAL, *,
                  calib: str = "wiki-calib", calib_samples: int = COMPRESS_CALIB_SAMPLES, seq_len: int = 512, overwrite: bool = False,
                  measure_cost: bool = False, dtype="float32", device="cpu", progress: bool = True,
@@ -250,8 +256,7 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
     if is_retrofitted_dir(model_name):
         inputs["its original model"] = checked_original(model_name)
     check_outputs(out, overwrite, eval_config, inputs, {"--work-dir": work_dir})
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun accelerate runs the processes; rank 0 writes
-    with output_lock(out) if rank == 0 else contextlib.nullcontext():
+    with output_lock(out) if torchrun_rank() == 0 else contextlib.nullcontext():  # rank 0 writes
         return _linearize(model_name, out, config, eval_config, preset, train_corpus, work_dir, eval_original,
                           overwrite, dtype, device, progress)
 
@@ -278,8 +283,8 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
                               teacher=teacher)
     del teacher
-    if int(os.environ.get("RANK", "0")) != 0:
-        return {"rank": int(os.environ["RANK"]), "linearize_report": report}
+    if torchrun_rank() != 0:
+        return {"rank": torchrun_rank(), "linearize_report": report}
     timings.update(report["timings_s"])
     linearize_peak = peak_rss_mb()
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),
@@ -365,13 +370,16 @@ def heal_job(model_dir, out, config: HealConfig, eval_config: EvalConfig = NO_EV
     check_outputs(out, overwrite, eval_config, {"MODEL": model_dir, "--teacher": teacher,
                                                  "--train-corpus": train_corpus},
                    {"the healing directory": heal_dir(out)})
-    with output_lock(out):
+    rank = torchrun_rank()
+    with output_lock(out) if rank == 0 else contextlib.nullcontext():  # under torchrun, rank 0 writes
         info = read_retrofitter_json(model_dir)
         model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
         check_context(model, {"--seq-len": config.seq_len, **eval_lengths(eval_config)})
         method = info.get("method", "retrofitted")
         healing = _heal_stages(model, tokenizer, teacher, config, eval_config, train_corpus, out, progress, dtype, device,
                                name=str(model_dir), method=method, ratio=info.get("ratio"), control=control)
+        if rank != 0:
+            return {"rank": rank, "heal": healing["metadata"]}
         metadata = {k: v for k, v in info.items() if k not in ("format_version", "replacements", "versions")}
         metadata["heal"] = healing["metadata"]
         save(healing["model"], out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)

@@ -279,9 +279,12 @@ def cmd_heal(args) -> int:
     from ..jobs import heal_job
 
     config = config_from_args(HealConfig, args)
-    return _show(heal_job(args.model, args.out, config, _eval_config(args, config.seq_len), teacher=args.teacher,
-                          train_corpus=args.train_corpus, control=args.control, overwrite=args.overwrite,
-                          dtype=args.dtype, device=args.device, progress=not args.quiet), args)
+    results = heal_job(args.model, args.out, config, _eval_config(args, config.seq_len), teacher=args.teacher,
+                       train_corpus=args.train_corpus, control=args.control, overwrite=args.overwrite,
+                       dtype=args.dtype, device=args.device, progress=not args.quiet)
+    if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
+        return 0
+    return _show(results, args)
 
 
 def cmd_linearize(args) -> int:
