@@ -77,7 +77,7 @@ def test_gguf_scores_in_llama_cpp_as_the_model_does(llama_cpp, tokenizer, tmp_pa
     record = export_gguf(model, tmp_path / "model.gguf", tokenizer, progress=False)
     meta = gguf_metadata(tmp_path / "model.gguf")
     if convert:
-        assert meta["general.architecture"] == "deepseek2"
+        assert meta["general.architecture"] == record["gguf_architecture"] == "deepseek2"
         assert meta["deepseek2.attention.kv_lora_rank"] == record["kv_lora_rank"]
         assert meta["deepseek2.leading_dense_block_count"] == 2
         assert record["parity"]["max_rel_error"] <= 1e-4

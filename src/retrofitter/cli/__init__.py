@@ -271,7 +271,8 @@ def cmd_export(args) -> int:
                         verify=not args.no_verify, progress=not args.quiet)
     parity = record.get("parity", {})
     check = f", logits max rel. error {parity['max_rel_error']:.1e}" if parity.get("checked") else ""
-    print(f"{record['format']} export ({record['architecture']}{check}): {args.out}")
+    architecture = record.get("gguf_architecture", record["architecture"])
+    print(f"{record['format']} export ({architecture}{check}): {args.out}")
     return 0
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from ..adapters.deepseek_export import ExportError, check_deepseek_exportable, deepseek_v3_checkpoint
 from ..checkpoint import OutputExistsError, check_writable, replacement_records, staged_output
 from ..engines.llama_cpp import EngineBuildError, build_llama_cpp, llama_cpp_python_dir
+from ..eval.llama_cpp import gguf_metadata
 from ..modules.mla_attention import MLAAttention
 from ..version import __version__
 
@@ -184,6 +185,7 @@ def export_gguf(model: nn.Module, out, tokenizer, overwrite: bool = False, outty
         _convert_to_gguf(hf_dir, staged, outtype)
         os.replace(staged, out)
     record.update(format="gguf", outtype=outtype, bytes=out.stat().st_size,
+                  gguf_architecture=gguf_metadata(out)["general.architecture"],
                   seconds=round(time.perf_counter() - start, 2))
     return record
 
