@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--kv-ratios", default="0.5,0.25,0.125")
     parser.add_argument("--heal", default="0.25", help="the kv ratio healed afterwards ('' for none)")
     parser.add_argument("--calib-samples", type=int, default=32)
+    parser.add_argument("--rope-selection", default="progression",
+                        help="passed to `retrofitter mla` (results §13's table: score, the default then)")
     parser.add_argument("--max-eval-tokens", type=int, default=4096)
     parser.add_argument("--held-out", default="/usr/share/common-licenses/GPL-3")
     parser.add_argument("--contexts", default="512,2048,4096")
@@ -52,7 +54,8 @@ def main() -> None:
     for kv in [k for k in args.kv_ratios.split(",") if k]:
         out = args.out / f"mla-{kv}"
         points[f"mla {kv}"] = point(f"mla-{kv}", ["mla", args.model, "--kv-ratio", kv, "--calib-samples",
-                                                  str(args.calib_samples), "--out", str(out), *evaluation])
+                                                  str(args.calib_samples), "--rope-selection", args.rope_selection,
+                                                  "--out", str(out), *evaluation])
         models.append(str(out))
     if args.heal:
         healed = args.out / f"mla-{args.heal}-healed"

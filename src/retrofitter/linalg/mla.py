@@ -19,7 +19,8 @@ energy Σ_f[g1, g2] = E[k_{g1,f} · k_{g2,f}] (eigh, descending): the first comp
 the typical size of the slot's score term times the mean of 1 − cos(θ_f Δ) over distances Δ ∈ [0, L]:
 the error of letting that slot go without rotation (``selection="score"``: the m best slots).
 ``"progression"`` ranks by the same score but keeps one slot at each of the frequencies f = 0, s, 2s, …,
-(m−1)s for the step s whose kept score is largest: exactly the table θ'_j = base'^(−j/m) of a DeepSeek
+(m−1)s for the step s whose kept score is largest (one s for every layer of a model: pipelines/mla.py sums
+the layers' ``progression_totals``): exactly the table θ'_j = base'^(−j/m) of a DeepSeek
 rotary key of dim 2m with base' = base^(2sm/dh), so the layer exports to DeepSeek-V3 checkpoints
 (``progression_slots``). The alternatives measured
 against it: ``"energy"`` (the first factor alone, TransMLA's ranking) and ``"frequency"`` (the highest

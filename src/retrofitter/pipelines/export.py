@@ -9,7 +9,7 @@
   unconverted model (plain transformers, e.g. the original) exports to its own architecture, as the reference.
 
 Only f32 and bf16 GGUF weights hold an MLA export: the latent's RMSNorm is neutralised by scaling the latent
-rows by α ≈ 2⁻³⁰ (deepseek_export.py), far below float16's range; bfloat16 keeps float32's exponent range.
+rows by α = 2⁻²⁸–2⁻²⁹ on SmolLM2-135M (deepseek_export.py), below float16's range; bfloat16 keeps float32's exponent range.
 Outputs are written to a temporary sibling and renamed; an existing output is replaced only with
 ``overwrite`` and only when it is a previous export.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from torch import nn
 
 from ..adapters.deepseek_export import ExportError, check_deepseek_exportable, deepseek_v3_checkpoint
 from ..checkpoint import OutputExistsError, check_writable, replacement_records, staged_output
-from ..engines.llama_cpp import EngineBuildError, build_llama_cpp, llama_cpp_python_dir
+from ..engines.llama_cpp import EngineBuildError, build_llama_cpp, llama_cpp_python_dir, run_checked
 from ..eval.llama_cpp import gguf_metadata
 from ..modules.mla_attention import MLAAttention
 from ..version import __version__
@@ -140,11 +139,9 @@ def _convert_to_gguf(hf_dir: Path, target: Path, outtype: str) -> None:
     env.pop("NO_LOCAL_GGUF", None)
     command = [sys.executable, str(python_dir / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(target),
                "--outtype", outtype]
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0 or not target.is_file():
-        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        raise EngineBuildError(f"llama.cpp's convert_hf_to_gguf.py failed (exit {result.returncode}): "
-                               f"{' | '.join(tail)}")
+    run_checked(command, "llama.cpp's convert_hf_to_gguf.py", env=env)
+    if not target.is_file():
+        raise EngineBuildError(f"llama.cpp's convert_hf_to_gguf.py wrote no {target.name}")
 
 
 def export_gguf(model: nn.Module, out, tokenizer, overwrite: bool = False, outtype: str = "f32",
