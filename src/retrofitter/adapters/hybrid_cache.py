@@ -72,7 +72,7 @@ class HybridCacheLayer(CacheLayerMixin):
     def _map_state(self, fn) -> None:
         if self.state is not None:
             tensors = {name: fn(t) for name, t in self.state.tensors().items()}
-            self.state = HybridRecurrentState(**tensors, window_kind=self.state.window_kind, window=self.state.window)
+            self.state = self.state.with_tensors(**tensors)
 
     def offload(self):
         self._map_state(lambda t: t.to("cpu", non_blocking=True))

@@ -8,6 +8,11 @@ Per query head ``h`` (kv head ``h // (n_heads / n_kv_heads)``), query ``n``, win
     S_n = sum_{i <= n, i not in W_n} phi_k(k_i) v_i^T,  z_n = sum_{...} phi_k(k_i),
     c_n = max_{i in W_n} q_n.k_i/sqrt(d),  gamma = sigmoid(theta_h),  lam = 1 or 1 - gamma.
 
+Recall beyond the window (``sinks``, ``sparse_cache``; ``ops.hybrid_common``): the first ``sinks``
+tokens and, per kv head, the ``sparse_cache`` keys the linear state recalls worst are attended
+exactly as well and kept out of ``S, z``; ``linear_weight="zero"`` drops the linear part (a
+window + sinks softmax, the training-free ``swa-sinks`` baseline).
+
 ``window_kind``: ``sliding`` (``W_n = {n-w+1..n}``) or ``terraced`` (tile ``t = window``: the
 query's tile up to ``n`` plus the previous tile); positions count real tokens only (see
 ``retrofitter.ops.hybrid_common``). The module works on q, k, v *after* projection and RoPE;
@@ -21,7 +26,7 @@ import torch
 from torch import nn
 
 from ..ops.hybrid_chunked import hybrid_attention_chunked
-from ..ops.hybrid_common import get_linear_weight, get_window_kind
+from ..ops.hybrid_common import RecallSettings, get_linear_weight, get_window_kind
 from ..ops.hybrid_naive import hybrid_attention_naive
 from ..ops.hybrid_recurrent import HybridRecurrentState, hybrid_recurrent_step
 from .feature_maps import build_feature_map
@@ -48,6 +53,8 @@ class HybridLinearAttention(nn.Module):
         linear_weight: ``"one"`` or ``"one_minus_gamma"`` (weight of the linear terms).
         execution: ``"chunked"`` (O(n) memory, default) or ``"naive"`` (quadratic reference).
         softmax_scale: defaults to 1/sqrt(head_dim).
+        sinks: first tokens always attended exactly (attention sinks); 0 = none.
+        sparse_cache: keys per kv head kept for exact attention by recall error (LoLA); 0 = none.
     """
 
     def __init__(
@@ -63,6 +70,8 @@ class HybridLinearAttention(nn.Module):
         linear_weight: str = "one",
         execution: str = "chunked",
         softmax_scale: float | None = None,
+        sinks: int = 0,
+        sparse_cache: int = 0,
     ):
         super().__init__()
         if n_kv_heads < 1 or n_heads % n_kv_heads != 0:
@@ -81,6 +90,7 @@ class HybridLinearAttention(nn.Module):
         self.linear_weight = linear_weight
         self.execution = execution
         self.softmax_scale = softmax_scale
+        self.recall = RecallSettings(sinks=int(sinks), sparse_cache=int(sparse_cache))
         self.feature_map_q = build_feature_map(feature_map, n_heads, head_dim, feature_dim)
         self.feature_map_k = build_feature_map(feature_map, n_heads, head_dim, feature_dim)
         self.mix_logit = nn.Parameter(torch.full((n_heads,), float(mix_init)))  # theta
@@ -106,7 +116,9 @@ class HybridLinearAttention(nn.Module):
         Exactly the tensors ``init_state`` / the executions build (built on the meta device, so
         nothing is allocated): ring buffer k, v ``[b, g, s, dh]`` in ``dtype``; slot positions
         ``[b, s]`` int64 and validity ``[b, s]`` bool; S ``[b, h, F, dh]`` and z ``[b, h, F]`` in
-        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16); ``num_tokens`` ``[b]`` int64.
+        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16); ``num_tokens`` ``[b]`` int64; sink
+        k, v ``[b, g, S, dh]``; sparse cache k, v ``[b, g, M, dh]``, errors ``[b, g, M]`` (compute
+        dtype), positions ``[b, g, M]`` int64 and, when ``M > 0``, the scoring state ``S_all, z_all``.
         """
         return self.init_state(batch_size, dtype, device="meta").nbytes()
 
@@ -122,6 +134,7 @@ class HybridLinearAttention(nn.Module):
             self.feature_map_q.output_dim,
             window=self.window,
             window_kind=self.window_kind,
+            recall=self.recall,
             dtype=dtype,
             device=device,
         )
@@ -177,12 +190,14 @@ class HybridLinearAttention(nn.Module):
             run = EXECUTIONS[self.execution]
             return run(
                 q, k, v, window=self.window, window_kind=self.window_kind, key_padding_mask=key_padding_mask,
-                return_state=return_state, **self._op_kwargs(),
+                return_state=return_state, recall=self.recall, **self._op_kwargs(),
             )
-        if state.window_kind != self.window_kind or state.window != self.window:
+        built = (state.window_kind, state.window, state.sinks, state.sparse_cache)
+        if built != (self.window_kind, self.window, self.recall.sinks, self.recall.sparse_cache):
             raise ValueError(
-                f"state was built for {state.window_kind} window {state.window}, "
-                f"layer uses {self.window_kind} window {self.window}"
+                f"state was built for {state.window_kind} window {state.window}, {state.sinks} sinks, sparse cache "
+                f"{state.sparse_cache}; layer uses {self.window_kind} window {self.window}, {self.recall.sinks} sinks, "
+                f"sparse cache {self.recall.sparse_cache}"
             )
         outputs = []
         # Continuation is a loop of single steps: decoding adds one token at a time, and the
@@ -196,5 +211,6 @@ class HybridLinearAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
-            f"window_kind={self.window_kind!r}, linear_weight={self.linear_weight!r}, execution={self.execution!r}"
+            f"window_kind={self.window_kind!r}, linear_weight={self.linear_weight!r}, execution={self.execution!r}, "
+            f"sinks={self.recall.sinks}, sparse_cache={self.recall.sparse_cache}"
         )

@@ -12,6 +12,11 @@ and every key in chunks ``<= j-2`` is in the linear history. So per chunk:
 * linear terms from chunks ``<= j-2``: ``phi_q(q)^T S_{j-2}`` with ``S_j = sum_{j' <= j} sum_c
   phi_k(k) v^T`` an inclusive cumulative sum of per-chunk states ``[b, h, m, F, dh]``.
 
+Sinks and the sparse cache (``recall``): the sink keys (the first ``S`` real tokens) join every
+chunk's softmax block for the queries whose window does not hold them, and never enter the linear
+sums; the sparse cache's terms come from a scan over the chunks (``hybrid_sparse``), joined to the
+softmax under one exact max and subtracted from the linear history, which counts every key that left.
+
 Padding. Real tokens are first moved to the front of each row (stable, so order is kept), which
 makes tiles line up with chunks in every row (positions are real-token indices, see
 ``hybrid_common``); padded positions then sit after every real query and are never read by one.
@@ -27,13 +32,15 @@ import torch.nn.functional as F
 
 from .hybrid_common import (
     FeatureMapFn,
+    RecallSettings,
     check_hybrid_inputs,
     compaction_order,
     compute_dtype_for,
     get_linear_weight,
     get_window_kind,
 )
-from .hybrid_recurrent import HybridRecurrentState, prefill_state
+from .hybrid_sparse import sparse_cache_terms
+from .hybrid_state import HybridRecurrentState, prefill_state, recall_scores
 
 __all__ = ["hybrid_attention_chunked"]
 
@@ -67,6 +74,7 @@ def hybrid_attention_chunked(
     key_padding_mask: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     return_state: bool = False,
+    recall: RecallSettings = RecallSettings(),
 ) -> tuple[torch.Tensor, HybridRecurrentState | None]:
     """Hybrid attention in chunks of ``window`` queries.
 
@@ -96,8 +104,12 @@ def hybrid_attention_chunked(
     # Zero tail to a whole number of chunks: only read by tail queries (discarded).
     q_c, k_c, v_c = (F.pad(x, (0, 0, 0, padded_len - n)) for x in (q_c, k_c, v_c))
 
+    counts = key_padding_mask.sum(-1) if key_padding_mask is not None else torch.full((b,), n, device=q.device)
+    sink_k, sink_v = k_c[:, :, : recall.sinks], v_c[:, :, : recall.sinks]  # [b, g, S, dh] (compacted: real first)
     phi_q = feature_map_q(q_c)  # [b, h, N, F]
     phi_k = feature_map_k(k_c.repeat_interleave(r, dim=1))  # [b, h, N, F] (maps are per query head)
+    if recall.sinks:  # sinks never enter the linear sums
+        phi_k = phi_k * (torch.arange(padded_len, device=q.device) >= recall.sinks)[:, None]
     feat = phi_q.shape[-1]
 
     # Chunked, grouped views: query heads as [g, r] so k, v need not be repeated for the softmax.
@@ -121,12 +133,33 @@ def hybrid_attention_chunked(
     gamma_c = gamma.to(dtype).view(1, g, r, 1, 1, 1)
     lam = lam_of(gamma.to(dtype)).view(1, g, r, 1, 1)
 
-    # Softmax part over the window, c_n = exact window max.
+    # Softmax part over the window (+ sinks outside it), c_n = exact max over every exact key.
     logits = torch.einsum("bgrmad,bgmcd->bgrmac", q_c, k_pair) * scale
     logits = logits.masked_fill(~in_window, float("-inf"))
-    weights = gamma_c * torch.exp(logits - logits.amax(dim=-1, keepdim=True))  # [b, g, r, m, C, 2C]
+    if recall.sinks:
+        sink_pos = torch.arange(sink_k.shape[2], device=q.device)
+        sink_seen = (sink_pos <= query_pos) & ~kind.contains(query_pos, sink_pos, window)  # [m, C, S]
+        sink_logits = torch.einsum("bgrmad,bgsd->bgrmas", q_c, sink_k) * scale
+        logits = torch.cat([logits, sink_logits.masked_fill(~sink_seen, float("-inf"))], dim=-1)
+        v_pair = torch.cat([v_pair, sink_v[:, :, None].expand(b, g, m, -1, dh)], dim=3)
+    top = logits.amax(dim=-1)  # [b, g, r, m, C]
+    sparse = None
+    if recall.sparse_cache:
+        with torch.no_grad():  # the selection is discrete; gradients flow through the cached keys' terms
+            errors = recall_scores(k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, sinks=recall.sinks)
+        if order is not None:
+            errors = errors.gather(2, order[:, None, :].expand(b, g, n))
+        errors = F.pad(errors, (0, padded_len - n)).view(b, g, m, chunk)
+        sparse = sparse_cache_terms(q_c, k_c, v_c, phi_q, phi_k, errors, counts, kind=kind, window=window,
+                                    sinks=recall.sinks, size=recall.sparse_cache, scale=scale)
+        top = torch.maximum(top, sparse["max"])
+    weights = gamma_c * torch.exp(logits - top[..., None])  # [b, g, r, m, C, 2C (+ S)]
     numerator = torch.einsum("bgrmac,bgmcd->bgrmad", weights, v_pair)
     denominator = weights.sum(dim=-1)  # [b, g, r, m, C]
+    if sparse is not None:
+        rescale = gamma_c[..., 0] * torch.exp(sparse["max"] - top)  # 0 where the cache is empty
+        numerator = numerator + rescale[..., None] * sparse["num"]
+        denominator = denominator + rescale * sparse["den"]
 
     # Linear part, history of chunks <= j-2 through the cumulative chunk states.
     chunk_kv = torch.einsum("bgrmcf,bgmcd->bgrmfd", phi_k, v_c)  # [b, g, r, m, F, dh]
@@ -141,6 +174,9 @@ def hybrid_attention_chunked(
         scores = scores.masked_fill(~in_linear_prev, 0.0)
         linear_num = linear_num + torch.einsum("bgrmac,bgmcd->bgrmad", scores, v_prev)
         linear_den = linear_den + scores.sum(dim=-1)
+    if sparse is not None:  # cached keys are attended exactly, not through the linear state
+        linear_num = linear_num - sparse["linear_num"]
+        linear_den = linear_den - sparse["linear_den"]
 
     y = (numerator + lam[..., None] * linear_num) / (denominator + lam * linear_den)[..., None]
     y = y.reshape(b, h, padded_len, dh)[:, :, :n]
@@ -150,6 +186,7 @@ def hybrid_attention_chunked(
     state = None
     if return_state:
         state = prefill_state(
-            k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind
+            k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind,
+            recall=recall,
         )
     return y.to(q.dtype), state

@@ -23,6 +23,20 @@ Window kinds, for query real-index ``n`` and key real-index ``i`` (``W_n``):
 
 Keys ``i <= n`` outside ``W_n`` go to the linear state. Both kinds are monotone (a key that left
 the window never comes back), which is what lets the recurrent execution evict into ``S, z``.
+Key ``i`` leaves at query ``leave_position(i)`` (sliding ``i + w``; terraced ``(floor(i/t) + 2) t``).
+
+Recall (issue: linearized models that remember), two additions to the exact part, both optional:
+
+* **attention sinks**: the first ``sinks`` real tokens are always attended exactly (never in S, z);
+* **sparse cache** (LoLA, arXiv 2505.23666) of size ``M`` per kv head: among the keys that left the
+  window (sinks aside), the ``M`` that the linear state recalls worst are attended exactly and kept
+  out of S, z. A key's recall error is fixed when it is written:
+  ``e_i = sum_{h in group} || v_i - phi_k(k_i)^T S_{<i} / (phi_k(k_i)^T z_{<i}) ||^2`` with
+  ``S_{<i} = sum_{sinks <= j < i} phi_k(k_j) v_j^T`` over *all* earlier non-sink keys (the state the
+  key would be read from if nothing were cached; 0 when empty). So the scores need no sequential
+  selection and prefill stays linear in the context. The cache at query ``n`` is the ``M`` keys
+  ranked first by ``(e_i, i)`` (larger first) among those that left the window by ``n``; a key that
+  drops out never comes back (the set it is ranked in only grows), so it moves to S, z once.
 """
 
 from __future__ import annotations
@@ -37,6 +51,11 @@ __all__ = [
     "WindowKind",
     "WINDOW_KINDS",
     "LINEAR_WEIGHTS",
+    "RecallSettings",
+    "exact_contains",
+    "outranks",
+    "select_top",
+    "recall_error",
     "get_window_kind",
     "get_linear_weight",
     "compute_dtype_for",
@@ -74,6 +93,14 @@ def _terraced_evictions(new_pos: torch.Tensor, window: int) -> torch.Tensor:
     return start[:, None] + torch.arange(window, device=new_pos.device)
 
 
+def _sliding_leave(key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    return key_pos + window
+
+
+def _terraced_leave(key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    return (torch.div(key_pos, window, rounding_mode="floor") + 2) * window
+
+
 @dataclass(frozen=True)
 class WindowKind:
     """A softmax window rule.
@@ -84,13 +111,16 @@ class WindowKind:
     lists the ring slots that can hold keys leaving the window when the token at ``new_pos``
     arrives (a superset; the recurrent step maps only those through phi_k instead of the whole
     buffer). The chunked execution uses chunks of ``window`` queries; for both kinds every key
-    two or more chunks back is outside the window.
+    two or more chunks back is outside the window. ``leave_position(key_pos, window)`` is the first
+    query that no longer sees the key; every key of chunk ``j - leave_lag`` leaves inside chunk ``j``.
     """
 
     name: str
     contains: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     buffer_factor: int
     eviction_slots: Callable[[torch.Tensor, int], torch.Tensor]
+    leave_position: Callable[[torch.Tensor, int], torch.Tensor]
+    leave_lag: int
 
     def buffer_size(self, window: int) -> int:
         """Ring-buffer length ``s = buffer_factor * window``: keys (and values) the decode state keeps."""
@@ -98,15 +128,66 @@ class WindowKind:
 
 
 WINDOW_KINDS: dict[str, WindowKind] = {
-    "sliding": WindowKind("sliding", _sliding_contains, buffer_factor=1, eviction_slots=_sliding_evictions),
-    "terraced": WindowKind("terraced", _terraced_contains, buffer_factor=2, eviction_slots=_terraced_evictions),
+    "sliding": WindowKind("sliding", _sliding_contains, buffer_factor=1, eviction_slots=_sliding_evictions,
+                          leave_position=_sliding_leave, leave_lag=1),
+    "terraced": WindowKind("terraced", _terraced_contains, buffer_factor=2, eviction_slots=_terraced_evictions,
+                           leave_position=_terraced_leave, leave_lag=2),
 }
 
 # Weight of the linear (history) terms given gamma = sigmoid(theta), shape [h].
 LINEAR_WEIGHTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "one": torch.ones_like,
     "one_minus_gamma": lambda gamma: 1.0 - gamma,
+    "zero": torch.zeros_like,  # no linear part: window (+ sinks, + sparse cache) softmax only
 }
+
+
+@dataclass(frozen=True)
+class RecallSettings:
+    """What the exact part keeps beyond the window: ``sinks`` first tokens, ``sparse_cache`` keys per kv head."""
+
+    sinks: int = 0
+    sparse_cache: int = 0
+
+    def __post_init__(self):
+        if self.sinks < 0 or self.sparse_cache < 0:
+            raise ValueError(f"sinks and sparse_cache must be >= 0; got {self.sinks}, {self.sparse_cache}")
+
+
+def exact_contains(kind: WindowKind, query_pos, key_pos, window: int, sinks: int) -> torch.Tensor:
+    """``W_n`` plus the sinks: keys the softmax sees before the sparse cache (positions as in ``contains``)."""
+    sink = (key_pos >= 0) & (key_pos < sinks) & (key_pos <= query_pos)
+    return kind.contains(query_pos, key_pos, window) | sink
+
+
+def outranks(score_a, pos_a, score_b, pos_b) -> torch.Tensor:
+    """Sparse-cache order: ``a`` ranks before ``b`` iff ``(e_a, a) > (e_b, b)`` (larger error, then later)."""
+    return (score_a > score_b) | ((score_a == score_b) & (pos_a > pos_b))
+
+
+def select_top(scores: torch.Tensor, positions: torch.Tensor, eligible: torch.Tensor, size: int) -> torch.Tensor:
+    """Bool ``[..., K]``: the ``size`` eligible entries ranked first by ``outranks`` (all if fewer).
+
+    Sorting by position then (stably) by score gives exactly the ``outranks`` order.
+    """
+    order = torch.argsort(positions, dim=-1, descending=True, stable=True)
+    ranked = torch.where(eligible, scores, torch.full_like(scores, float("-inf"))).gather(-1, order)
+    order = order.gather(-1, torch.argsort(ranked, dim=-1, descending=True, stable=True))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return eligible & (rank < size)
+
+
+def recall_error(phi: torch.Tensor, values: torch.Tensor, kv_state: torch.Tensor, k_state: torch.Tensor,
+                 extra_num: torch.Tensor | None = None, extra_den: torch.Tensor | None = None) -> torch.Tensor:
+    """``|| v - phi^T S / (phi^T z) ||^2`` per head and key: phi ``[b, h, e, F]``, values ``[b, h, e, dh]``,
+    S ``[b, h, F, dh]``, z ``[b, h, F]`` -> ``[b, h, e]``; ``extra_num [b,h,e,dh]`` / ``extra_den [b,h,e]``
+    add keys not yet in S, z. The prediction is 0 while nothing is stored (``phi^T z = 0``)."""
+    num = phi @ kv_state
+    den = (phi @ k_state.unsqueeze(-1)).squeeze(-1)
+    if extra_num is not None:
+        num, den = num + extra_num, den + extra_den
+    pred = torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None], 0.0)
+    return (values - pred).pow(2).sum(dim=-1)
 
 
 def get_window_kind(name: str) -> WindowKind:

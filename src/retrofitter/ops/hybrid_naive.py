@@ -8,7 +8,10 @@ For query ``n`` of head ``h`` (kv head ``h // (H/G)``), with ``W_n`` the softmax
     S_n  = sum_{i <= n, i not in W_n} phi_k(k_i) v_i^T,          z_n = sum_{...} phi_k(k_i)
     y_n  = (U_n + lam phi_q(q_n)^T S_n) / (D_n + lam phi_q(q_n)^T z_n)
 
-with ``gamma = sigmoid(theta_h)`` and ``lam = 1`` or ``1 - gamma`` (``linear_weight``). Note that
+with ``gamma = sigmoid(theta_h)`` and ``lam = 1``, ``1 - gamma`` or ``0`` (``linear_weight``). With
+sinks and a sparse cache (``recall``, see ``hybrid_common``) the exact set is ``W_n`` + the sinks +
+the cache at ``n`` (``C_n``: the ``M`` top-ranked keys that left the window), and S, z hold the other
+older keys; ``c_n`` is the max over the whole exact set. Note that
 subtracting ``c_n`` only from the softmax terms is part of the formulation (the linear terms are
 weighed against a window whose largest weight is ``gamma``), not a numerical trick.
 
@@ -23,7 +26,11 @@ import torch
 
 from .hybrid_common import (
     FeatureMapFn,
+    RecallSettings,
     check_hybrid_inputs,
+    exact_contains,
+    outranks,
+    recall_error,
     compute_dtype_for,
     get_linear_weight,
     get_window_kind,
@@ -48,6 +55,7 @@ def hybrid_attention_naive(
     key_padding_mask: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     return_state: bool = False,
+    recall: RecallSettings = RecallSettings(),
 ) -> tuple[torch.Tensor, HybridRecurrentState | None]:
     """Hybrid attention by materialising all ``n x n`` scores.
 
@@ -81,7 +89,9 @@ def hybrid_attention_naive(
     key_pos = positions[:, None, None, :]  # [b, 1, 1, n]
     real_query = query_pos >= 0
     causal_real = real_query & (key_pos >= 0) & (key_pos <= query_pos)
-    in_window = causal_real & kind.contains(query_pos, key_pos, window)  # [b, 1, n, n]
+    in_window = causal_real & exact_contains(kind, query_pos, key_pos, window, recall.sinks)  # [b, 1, n, n]
+    if recall.sparse_cache:
+        in_window = in_window | _sparse_members(k_c, v_c, feature_map_k, positions, kind, window, recall, groups)
     in_linear = causal_real & ~in_window
 
     logits = torch.einsum("bhnd,bhid->bhni", q_c, k_c) * scale
@@ -102,6 +112,29 @@ def hybrid_attention_naive(
     state = None
     if return_state:
         state = prefill_state(
-            k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind
+            k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind,
+            recall=recall,
         )
     return y.to(q.dtype), state
+
+
+def _sparse_members(k_h, v_h, feature_map_k, positions, kind, window: int, recall: RecallSettings,
+                    groups: int) -> torch.Tensor:
+    """``[b, h, n, n]`` bool: key ``i`` is in the sparse cache of query ``n`` (by the definition, quadratically).
+
+    k_h, v_h ``[b, h, n, dh]`` (kv heads repeated); positions ``[b, n]`` real-token indices (-1 = padding).
+    """
+    b, h, n, _ = k_h.shape
+    stored = positions >= recall.sinks  # [b, n]: real non-sink keys (they enter S_{<i})
+    earlier = (positions[:, None, :] < positions[:, :, None]) & stored[:, None, :]  # [b, i, j]: j < i
+    phi = feature_map_k(k_h)  # [b, h, n, F]
+    inner = (phi @ phi.transpose(-1, -2)) * earlier[:, None]  # phi(k_i).phi(k_j) for j in S_{<i}
+    zero_kv = phi.new_zeros(b, h, phi.shape[-1], v_h.shape[-1])
+    error = recall_error(phi, v_h, zero_kv, phi.new_zeros(b, h, phi.shape[-1]), inner @ v_h, inner.sum(dim=-1))
+    scores = error.view(b, h // groups, groups, n).sum(dim=2)  # [b, g, n]
+    left = stored[:, None, :] & (kind.leave_position(positions, window)[:, None, :] <= positions[:, :, None])  # [b, n, i]
+    # i is cached at n iff it left by n and fewer than M keys that also left by n outrank it.
+    ahead = outranks(scores[..., :, None], positions[:, None, :, None], scores[..., None, :], positions[:, None, None, :])
+    count = left[:, None].to(scores.dtype) @ ahead.to(scores.dtype)  # [b, g, n, i]
+    member = left[:, None] & (count < recall.sparse_cache)
+    return member.repeat_interleave(groups, dim=1)
