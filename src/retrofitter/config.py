@@ -221,7 +221,8 @@ class LinearizeConfig(JsonRoundTrip):
 
     Hybrid layer: ``feature_map`` (hedgehog, t2r, elu), ``feature_dim`` (projection width; hedgehog
       gives 2x features), ``window`` (sliding width or terraced tile), ``window_kind`` (sliding,
-      terraced), ``linear_weight`` (``one`` or ``one_minus_gamma``), ``mix_init`` (theta, gamma = sigmoid).
+      terraced), ``linear_weight`` (``one``, ``one_minus_gamma`` or ``zero``), ``mix_init`` (theta, gamma = sigmoid);
+      ``sinks`` and ``sparse_cache``: what the exact part keeps beyond the window (ops/hybrid_common.py).
     Stage 1 (attention transfer): ``transfer_tokens`` training tokens in blocks of ``seq_len``,
       ``transfer_lr``, ``transfer_epochs``; ``transfer_mode`` ``joint`` (teacher forward of the whole
       model per batch) or ``blockwise`` (teacher inputs of each layer cached to disk once, layers
@@ -242,7 +243,10 @@ class LinearizeConfig(JsonRoundTrip):
     feature_dim: int = option(64, "feature-map projection width (hedgehog gives 2x features)")
     window: int = option(64, "softmax window: sliding width or terraced tile")
     window_kind: str = option("terraced", "softmax window kind (ops/hybrid_common.py WINDOW_KINDS)")
-    linear_weight: str = option("one", "weight of the linear terms: one or one_minus_gamma")
+    linear_weight: str = option("one", "weight of the linear terms: one, one_minus_gamma or zero (no linear part)")
+    sinks: int = option(0, "attention sinks: the first S tokens are always attended exactly (0: none)")
+    sparse_cache: int = option(0, "sparse cache (LoLA): per layer and kv head, the M keys the linear state recalls "
+                                  "worst are attended exactly (0: none)")
     mix_init: float = option(-2.2, "initial theta of the mixing weight gamma = sigmoid(theta)")
     transfer_tokens: int = option(200_000, "stage 1 (attention transfer) training tokens; 0 skips it")
     lora_tokens: int = option(100_000, "stage 2 (LoRA) training tokens; 0 skips it")
@@ -280,7 +284,7 @@ class LinearizeConfig(JsonRoundTrip):
         for name in ("feature_dim", "window", "seq_len", "batch_size", "lora_rank", "transfer_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("transfer_tokens", "lora_tokens", "lora_dropout", "grad_clip"):
+        for name in ("transfer_tokens", "lora_tokens", "lora_dropout", "grad_clip", "sinks", "sparse_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.seq_len < 2:
@@ -301,7 +305,8 @@ class LinearizeConfig(JsonRoundTrip):
     def hybrid_settings(self) -> dict:
         """Keyword arguments of ``HybridLinearAttention`` for this config."""
         return {"window": self.window, "window_kind": self.window_kind, "feature_map": self.feature_map,
-                "feature_dim": self.feature_dim, "mix_init": self.mix_init, "linear_weight": self.linear_weight}
+                "feature_dim": self.feature_dim, "mix_init": self.mix_init, "linear_weight": self.linear_weight,
+                "sinks": self.sinks, "sparse_cache": self.sparse_cache}
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "LinearizeConfig":
@@ -330,6 +335,13 @@ LINEARIZE_PRESETS: dict[str, dict] = {
         "config": {"transfer_tokens": 98_304, "lora_tokens": 49_152, "seq_len": 2048, "batch_size": 1,
                    "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2,
                    "lora_loss": "kl", "window": 128},
+        "eval_max_tokens": 16_384,
+    },
+    "swa-sinks": {
+        "description": "the training-free baseline: a 64-token sliding window plus 4 attention sinks, no linear part, "
+                       "no training (what every trained hybrid must beat)",
+        "config": {"transfer_tokens": 0, "lora_tokens": 0, "window": 64, "window_kind": "sliding", "sinks": 4,
+                   "linear_weight": "zero"},
         "eval_max_tokens": 16_384,
     },
     "gpu-small": {

@@ -317,16 +317,21 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
 
 
 def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit: float | None = None,
-             passkey=(), passkey_trials: int = 2, dtype="float32", device="cpu", quantize: str | None = None,
-             progress: bool = True) -> dict:
+             passkey=(), passkey_trials: int = 2, passkey_depths=(0.1, 0.5, 0.9), passkey_keys: int = 1,
+             dtype="float32", device="cpu", quantize: str | None = None, progress: bool = True) -> dict:
     """Perplexity and accounting of any causal LM (and lm-eval ``tasks``, passkey retrieval at the ``passkey``
-    prompt lengths when given); the results record.
+    prompt lengths when given: ``passkey_trials`` random keys per length and depth; ``passkey_keys`` K > 1 adds
+    the multi-key variant, K needles with one asked, as ``results["multikey"]``); the results record.
 
     ``quantize`` (a scheme of ``api.QUANTIZE_SCHEMES``) quantizes the model after loading."""
     for corpus in eval_config.corpora:
         check_corpus(corpus, "--ppl")
     if passkey_trials < 1:
         raise ValueError(f"--passkey-trials must be >= 1, got {passkey_trials}")
+    if not 1 <= passkey_keys <= 8:
+        raise ValueError(f"--passkey-keys must lie in 1..8, got {passkey_keys}")
+    if any(not 0.0 <= d <= 1.0 for d in passkey_depths) or not passkey_depths:
+        raise ValueError(f"--passkey-depths must be fractions in [0, 1], got {list(passkey_depths)}")
     if tasks:
         from .eval.lm_eval_harness import lm_eval_available
 
@@ -342,8 +347,11 @@ def eval_job(model_name: str, eval_config: EvalConfig, *, tasks=(), tasks_limit:
     if passkey:
         from .eval.passkey import passkey_accuracy
 
-        results["passkey"] = passkey_accuracy(model, tokenizer, context_lengths=tuple(passkey), trials=passkey_trials,
-                                              progress=progress)
+        settings = dict(context_lengths=tuple(passkey), depths=tuple(passkey_depths), trials=passkey_trials,
+                        progress=progress)
+        results["passkey"] = passkey_accuracy(model, tokenizer, **settings)
+        if passkey_keys > 1:
+            results["multikey"] = passkey_accuracy(model, tokenizer, keys=passkey_keys, seed=1, **settings)
     if tasks:
         from .eval.lm_eval_harness import run_lm_eval
 

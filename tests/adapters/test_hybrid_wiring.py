@@ -168,7 +168,8 @@ def test_state_counts_follow_the_window_kind_registry(monkeypatch):
     """A new window kind (here: a sliding window kept in a ring of 2w) needs no change to the counts."""
     sliding = WINDOW_KINDS["sliding"]
     wide = WindowKind("wide_sliding", sliding.contains, buffer_factor=2,
-                      eviction_slots=lambda new_pos, window: torch.remainder(new_pos - window, 2 * window)[:, None])
+                      eviction_slots=lambda new_pos, window: torch.remainder(new_pos - window, 2 * window)[:, None],
+                      leave_position=sliding.leave_position, leave_lag=sliding.leave_lag)
     monkeypatch.setitem(WINDOW_KINDS, "wide_sliding", wide)
     model = hybrid_model("llama", "wide_sliding")
     tokens = ids(1, 15)
@@ -182,3 +183,40 @@ def test_state_counts_follow_the_window_kind_registry(monkeypatch):
     assert state.keys.shape[2] == 2 * SETTINGS["window"]
     assert layer.state_numbers() == sum(t.numel() for t in (state.keys, state.values, state.kv_state, state.k_state))
     assert layer.state_bytes() == state.nbytes()
+
+
+@pytest.mark.parametrize("window_kind", ["sliding", "terraced"])
+def test_sinks_and_sparse_cache_decode_matches_full_forward_and_survive_save_load(window_kind, tmp_path):
+    from retrofitter.adapters.hybrid_attention import set_recall
+    from retrofitter.api import save
+    from retrofitter.checkpoint import load_retrofitted
+
+    model = hybrid_model("llama", window_kind)
+    tokens = ids(length=30)
+    with torch.no_grad():
+        plain = model(input_ids=tokens, use_cache=False).logits
+        assert set_recall(model, sinks=2, sparse_cache=3) == [0, 1]
+        full = model(input_ids=tokens, use_cache=False).logits
+        assert (full - plain).abs().max() > 1e-6  # the recall terms are in effect
+        cache = HybridCache(model)
+        stepped = decode_logits(model, tokens, prefill=9, cache=cache)
+    assert torch.allclose(stepped, full, atol=1e-10, rtol=0)
+    state = cache.layers[0].state
+    assert state.sinks == 2 and state.sparse_cache == 3 and (state.sparse_positions >= 0).all()
+    layer = model.model.layers[0].self_attn
+    assert layer.state_bytes(2) == sum(l.nbytes() for l in cache.layers[:1])
+    numbers = sum(t.numel() for name, t in state.tensors().items()
+                  if name not in ("positions", "valid", "num_tokens", "sparse_positions"))
+    assert layer.state_numbers(2) == numbers
+    save(model, tmp_path / "out", metadata={"method": "lolcats"})
+    loaded = load_retrofitted(tmp_path / "out", dtype=F64)
+    assert loaded.model.layers[1].self_attn.hybrid.recall == layer.hybrid.recall
+    with torch.no_grad():  # the checkpoint keeps float32 weights: float32 rounding of a float64 model
+        assert torch.allclose(loaded(input_ids=tokens).logits, full, atol=1e-6, rtol=0)
+
+
+def test_set_recall_needs_a_linearized_model():
+    from retrofitter.adapters.hybrid_attention import set_recall
+
+    with pytest.raises(ValueError, match="linearized model"):
+        set_recall(build_tiny("llama"), sinks=4, sparse_cache=0)

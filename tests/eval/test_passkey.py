@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from retrofitter.eval.passkey import QUESTION, passkey_accuracy, passkey_prompt
+from retrofitter.eval.passkey import QUESTION, multikey_prompt, passkey_accuracy, passkey_prompt
 from tiny_models import build_tiny, build_tiny_tokenizer
 
 
@@ -52,3 +52,35 @@ def test_runs_on_a_tiny_hybrid_model_with_real_generate():
     result = passkey_accuracy(model, build_tiny_tokenizer(), context_lengths=(120,), depths=(0.5,), trials=1,
                               max_new_tokens=3)
     assert 0.0 <= result["accuracy"] <= 1.0 and result["trials"][0]["prompt_tokens"] > 100
+
+
+class _FirstKeyOracle(_Oracle):
+    """Answers the key that follows the label the question asks for (or, when ``wrong``, the first needle's)."""
+
+    def generate(self, input_ids, max_new_tokens, **_):
+        import re
+
+        spaced = self.tokenizer.decode(input_ids[0], skip_special_tokens=True)  # the tiny tokenizer spaces characters
+        text = re.sub(r"\s{2,}", " ", re.sub(r"(?<=\S) (?=\S)", "", spaced))
+        asked = re.search(r"of the (\w+) door\?", text).group(1)
+        label = re.search(r"of the (\w+) door is", text).group(1) if self.wrong else asked
+        key = re.search(rf"{label} door is\s*([\d ]+)\.", text).group(1).replace(" ", "")
+        new = torch.tensor([self.tokenizer.encode(" " + key + ".", add_special_tokens=False)])
+        return torch.cat([input_ids, new[:, :max_new_tokens]], dim=1)
+
+
+def test_multikey_asks_for_one_of_several_keys():
+    tokenizer = build_tiny_tokenizer()
+    prompt = multikey_prompt(tokenizer, 400, [("red", "11111", 0.9), ("blue", "22222", 0.1)], "red")
+    assert prompt.index("22222") < prompt.index("11111") and prompt.endswith("of the red door is")
+    right = passkey_accuracy(_FirstKeyOracle(tokenizer), tokenizer, context_lengths=(300,), depths=(0.2, 0.8),
+                             trials=3, keys=4)
+    assert right["accuracy"] == 1.0 and right["settings"]["keys"] == 4
+    assert set(right["by_context_depth"]) == {"300@0.2", "300@0.8"}
+    assert all(len(r["distractors"]) == 3 and r["passkey"] not in r["distractors"] for r in right["trials"])
+    # Answering another needle's key is wrong (the asked needle is not always the first one).
+    wrong = passkey_accuracy(_FirstKeyOracle(tokenizer, wrong=True), tokenizer, context_lengths=(300,),
+                             depths=(0.9,), trials=4, keys=3)
+    assert wrong["accuracy"] < 1.0
+    with pytest.raises(ValueError, match="keys must lie"):
+        passkey_accuracy(_FirstKeyOracle(tokenizer), tokenizer, context_lengths=(300,), keys=9)

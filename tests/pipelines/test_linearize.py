@@ -256,3 +256,24 @@ def test_keep_softmax_top_refuses_more_layers_than_hybrid_ones_and_a_run_without
         linearize_model(build_tiny("llama"), config(keep_softmax_top=3, lora_tokens=0), blocks(), None, progress=False)
     with pytest.raises(ValueError, match="needs stage 1"):
         config(keep_softmax_top=1, transfer_tokens=0)
+
+
+def test_swa_sinks_preset_trains_nothing_and_attends_window_plus_sinks(tmp_path):
+    from retrofitter.config import LinearizeConfig
+
+    cfg = LinearizeConfig.preset("swa-sinks", window=8)
+    assert (cfg.transfer_tokens, cfg.lora_tokens, cfg.sinks, cfg.linear_weight) == (0, 0, 4, "zero")
+    original = build_tiny("llama")
+    model, report = linearize_model(build_tiny("llama"), cfg, blocks(), blocks(seed=2), progress=False)
+    assert "transfer" not in report and "lora" not in report
+    tokens = blocks(2, 24, seed=5)
+    with torch.no_grad():
+        hybrid = model(input_ids=tokens).logits
+        # The same function as the original with a sliding window + sinks mask (all softmax, no linear part).
+        n = tokens.shape[1]
+        pos = torch.arange(n)
+        allowed = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - 8) | (pos[None, :] < 4))
+        mask = torch.zeros(2, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        reference = original(input_ids=tokens, attention_mask=mask).logits
+        assert torch.allclose(hybrid, reference, atol=1e-4, rtol=1e-4)
+        assert (hybrid - original(input_ids=tokens).logits).abs().max() > 1e-3  # past the window it differs

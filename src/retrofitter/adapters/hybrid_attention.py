@@ -58,6 +58,7 @@ __all__ = [
     "HybridSelfAttention",
     "HybridSettings",
     "restore_softmax",
+    "set_recall",
     "swap_to_hybrid",
     "hybrid_attention_modules",
     "key_padding_from_attention_mask",
@@ -241,10 +242,15 @@ class HybridSelfAttention(nn.Module):
 
     def state_numbers(self, batch_size: int = 1) -> int:
         """Numbers in the constant decode state: ring buffer k, v ``2·b·g·s·dh`` + S, z ``b·h·F·(dh + 1)``
-        (s = ``hybrid.buffer_size``, from the window kind); bookkeeping tensors aside."""
+        (s = ``hybrid.buffer_size``, from the window kind) + sink k, v ``2·b·g·S·dh`` + sparse cache k, v
+        and errors ``b·g·M·(2 dh + 1)`` with its scoring state ``b·h·F·(dh + 1)`` when ``M > 0``;
+        bookkeeping tensors (positions, flags, counts) aside."""
         ring = self.hybrid.buffer_size
         features = self.hybrid.feature_map_q.output_dim
-        per_row = 2 * self.n_kv_heads * ring * self.head_dim + self.n_heads * features * (self.head_dim + 1)
+        sinks, cached = self.hybrid.recall.sinks, self.hybrid.recall.sparse_cache
+        linear = self.n_heads * features * (self.head_dim + 1)
+        per_row = (2 * self.n_kv_heads * (ring + sinks) * self.head_dim + linear
+                   + self.n_kv_heads * cached * (2 * self.head_dim + 1) + (linear if cached else 0))
         return batch_size * per_row
 
     def state_bytes(self, batch_size: int = 1) -> int:
@@ -254,8 +260,9 @@ class HybridSelfAttention(nn.Module):
         return self.hybrid.state_bytes(batch_size, next(self.projection("k").parameters()).dtype)
 
     def attention_macs_per_token(self, context: int) -> int:
-        """q·k and p·v over the window plus phi_q^T S and the state update (context-independent)."""
-        ring = self.hybrid.buffer_size
+        """q·k and p·v over the window, sinks and sparse cache plus phi_q^T S and the state update
+        (bounded in the context)."""
+        ring = self.hybrid.buffer_size + self.hybrid.recall.sinks + self.hybrid.recall.sparse_cache
         features = self.hybrid.feature_map_q.output_dim
         window = min(context, ring)
         return 2 * self.n_heads * self.head_dim * window + 2 * self.n_heads * features * (self.head_dim + 1)
@@ -292,6 +299,18 @@ def swap_to_hybrid(model: nn.Module, settings: HybridSettings, keep_softmax_laye
         _set_attention(layer, adapter.attention_path, wrapper)
         replaced.append(index)
     return replaced
+
+
+def set_recall(model: nn.Module, sinks: int, sparse_cache: int) -> list[int]:
+    """Give every hybrid layer ``sinks`` attention sinks and a ``sparse_cache`` of that many keys per kv head
+    (training-free: no weight depends on them; saved with the model). Returns the hybrid layer indices."""
+    modules = hybrid_attention_modules(model)
+    if not modules:
+        raise ValueError("the model has no hybrid attention layers: sinks and a sparse cache need a linearized model")
+    for module in modules.values():
+        module.hybrid.set_recall(sinks, sparse_cache)
+        module.settings.update(sinks=int(sinks), sparse_cache=int(sparse_cache))
+    return sorted(modules)
 
 
 def restore_softmax(model: nn.Module, layers) -> list[int]:

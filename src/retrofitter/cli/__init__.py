@@ -18,7 +18,7 @@ from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_
                       MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
-from .flags import add_config_flags, config_from_args, name_list, positive_int_list
+from .flags import add_config_flags, config_from_args, fraction_list, name_list, positive_int_list
 from .guards import check_json_output, input_paths, quiet_libraries
 
 __all__ = ["main", "build_parser"]
@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--passkey", type=positive_int_list, default=(), metavar="CONTEXTS",
                           help="passkey retrieval at these prompt lengths, e.g. 2048,4096 (3 depths x --passkey-trials)")
     evaluate.add_argument("--passkey-trials", type=int, default=2, help="random pass keys per context and depth")
+    evaluate.add_argument("--passkey-depths", type=fraction_list, default=(0.1, 0.5, 0.9), metavar="FRACTIONS",
+                          help="where the key sits in the filler (default 0.1,0.5,0.9)")
+    evaluate.add_argument("--passkey-keys", type=int, default=1, metavar="K",
+                          help="K > 1 adds the multi-key variant: K labelled keys in the prompt, one asked (max 8)")
     _add_quantize_flag(evaluate, QUANTIZE_SCHEMES)
     _add_common(evaluate)
 
@@ -214,9 +218,10 @@ def _show(results: dict, args) -> int:
 
     for task, metrics in results.get("lm_eval", {}).get("tasks", {}).items():
         print(f"lm-eval {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None))
-    if "passkey" in results:
-        by_context = ", ".join(f"{n}: {a:.0%}" for n, a in results["passkey"]["by_context"].items())
-        print(f"passkey retrieval: {results['passkey']['accuracy']:.0%} ({by_context})")
+    for key, name in (("passkey", "passkey retrieval"), ("multikey", "multi-key passkey")):
+        if key in results:
+            by_context = ", ".join(f"{n}: {a:.0%}" for n, a in results[key]["by_context"].items())
+            print(f"{name}: {results[key]['accuracy']:.0%} ({by_context})")
     rows = [results[k] for k in ("original", "before") if k in results]
     print(format_results_table(rows + [results] + ([results["control"]] if "control" in results else [])))
     if args.json:
@@ -236,7 +241,8 @@ def cmd_eval(args) -> int:
     from ..jobs import eval_job
 
     return _show(eval_job(args.model, _eval_config(args, args.seq_len), tasks=args.tasks, tasks_limit=args.tasks_limit,
-                          passkey=args.passkey, passkey_trials=args.passkey_trials, dtype=args.dtype,
+                          passkey=args.passkey, passkey_trials=args.passkey_trials,
+                          passkey_depths=args.passkey_depths, passkey_keys=args.passkey_keys, dtype=args.dtype,
                           device=args.device, quantize=args.quantize, progress=not args.quiet), args)
 
 

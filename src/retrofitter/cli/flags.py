@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-__all__ = ["name_list", "int_list", "positive_int_list", "add_config_flags", "config_from_args"]
+__all__ = ["name_list", "int_list", "positive_int_list", "fraction_list", "add_config_flags", "config_from_args"]
 
 
 def name_list(text: str) -> tuple[str, ...]:
@@ -29,6 +29,17 @@ def positive_int_list(text: str) -> tuple[int, ...]:
     items = int_list(text)
     if min(items) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return items
+
+
+def fraction_list(text: str) -> tuple[float, ...]:
+    """Comma-separated numbers in [0, 1] (e.g. passkey depths)."""
+    try:
+        items = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
+    if not items or min(items) < 0 or max(items) > 1:
+        raise argparse.ArgumentTypeError(f"expected fractions in [0, 1], got {text!r}")
     return items
 
 

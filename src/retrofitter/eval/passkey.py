@@ -7,7 +7,13 @@ Prompt for a context of about ``L`` tokens and a depth ``δ ∈ [0, 1]``:
 
 where the filler repeats ``FILLER`` sentences so that the whole prompt is close to ``L`` tokens.
 The model continues greedily for ``max_new_tokens``; a trial is correct when the first run of digits
-in the continuation equals NNNNN. Accuracy is reported per context length, per depth and overall.
+in the continuation equals NNNNN. Accuracy is reported per context length, per depth, per
+(length, depth) cell and overall.
+
+Multi-key (``keys = K > 1``): K needles "The pass key of the <label> door is NNNNN. ..." with
+distinct labels and random keys; the asked one sits at ``depth``, the others at random depths; the
+question names the asked label ("What is the pass key of the <label> door? The pass key of the
+<label> door is"). Only the asked key counts as correct (another needle's key is wrong).
 """
 
 from __future__ import annotations
@@ -18,15 +24,43 @@ import re
 import torch
 from torch import nn
 
-__all__ = ["FILLER", "passkey_prompt", "passkey_trial", "passkey_accuracy"]
+__all__ = ["FILLER", "LABELS", "passkey_prompt", "multikey_prompt", "passkey_trial", "passkey_accuracy"]
 
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the pass key? The pass key is"
 
 
+LABELS = ("red", "blue", "green", "yellow", "white", "black", "silver", "golden")
+
+
 def _needle(passkey: str) -> str:
     return f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+
+
+def _labelled_needle(label: str, passkey: str) -> str:
+    return f"The pass key of the {label} door is {passkey}. Remember it. "
+
+
+def _labelled_question(label: str) -> str:
+    return f"What is the pass key of the {label} door? The pass key of the {label} door is"
+
+
+def multikey_prompt(tokenizer, context_tokens: int, needles: list[tuple[str, str, float]], asked: str) -> str:
+    """≈ ``context_tokens`` tokens of filler with labelled needles ``(label, passkey, depth)``; asks for ``asked``."""
+    if any(not 0.0 <= depth <= 1.0 for _, _, depth in needles):
+        raise ValueError(f"depths must lie in [0, 1], got {[d for _, _, d in needles]}")
+    text = "".join(_labelled_needle(label, key) for label, key, _ in needles)
+    fixed = len(tokenizer.encode(INTRO + text + _labelled_question(asked), add_special_tokens=False))
+    per_filler = max(1, len(tokenizer.encode(FILLER, add_special_tokens=False)))
+    repeats = max(1, (context_tokens - fixed) // per_filler)
+    slots = sorted((round(depth * repeats), index) for index, (_, _, depth) in enumerate(needles))
+    parts, done = [INTRO], 0
+    for at, index in slots:
+        label, key, _ = needles[index]
+        parts += [FILLER * (at - done), _labelled_needle(label, key)]
+        done = at
+    return "".join(parts) + FILLER * (repeats - done) + _labelled_question(asked)
 
 
 def passkey_prompt(tokenizer, context_tokens: int, depth: float, passkey: str) -> str:
@@ -42,9 +76,9 @@ def passkey_prompt(tokenizer, context_tokens: int, depth: float, passkey: str) -
 
 @torch.no_grad()
 def passkey_trial(model: nn.Module, tokenizer, context_tokens: int, depth: float, passkey: str,
-                  max_new_tokens: int = 8) -> dict:
-    """One greedy trial: ``{"correct", "answer", "prompt_tokens"}``."""
-    text = passkey_prompt(tokenizer, context_tokens, depth, passkey)
+                  max_new_tokens: int = 8, text: str | None = None) -> dict:
+    """One greedy trial: ``{"correct", "answer", "prompt_tokens"}`` (``text``: a prompt made elsewhere)."""
+    text = text if text is not None else passkey_prompt(tokenizer, context_tokens, depth, passkey)
     inputs = tokenizer(text, return_tensors="pt")
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -60,19 +94,29 @@ def passkey_trial(model: nn.Module, tokenizer, context_tokens: int, depth: float
 
 def passkey_accuracy(model: nn.Module, tokenizer, context_lengths=(256, 512, 1024), depths=(0.1, 0.5, 0.9),
                      trials: int = 2, digits: int = 5, seed: int = 0, max_new_tokens: int = 8,
-                     progress: bool = False) -> dict:
-    """Accuracy over ``context_lengths`` × ``depths`` × ``trials`` random ``digits``-digit pass keys."""
+                     progress: bool = False, keys: int = 1) -> dict:
+    """Accuracy over ``context_lengths`` × ``depths`` × ``trials`` random ``digits``-digit pass keys
+    (``keys > 1``: the multi-key variant, see the module docstring)."""
     from tqdm.auto import tqdm
 
     if trials < 1 or digits < 1:
         raise ValueError(f"trials and digits must be >= 1; got {trials}, {digits}")
+    if not 1 <= keys <= len(LABELS):
+        raise ValueError(f"keys must lie in 1..{len(LABELS)}, got {keys}")
     rng = random.Random(seed)
     records = []
     cases = [(length, depth) for length in context_lengths for depth in depths for _ in range(trials)]
-    for length, depth in tqdm(cases, desc="passkey", unit="trial", disable=not progress):
+    for length, depth in tqdm(cases, desc="passkey" if keys == 1 else f"passkey x{keys}", unit="trial",
+                              disable=not progress):
         passkey = str(rng.randrange(10 ** (digits - 1), 10**digits))
-        result = passkey_trial(model, tokenizer, length, depth, passkey, max_new_tokens)
-        records.append({"context": length, "depth": depth, "passkey": passkey, **result})
+        text, extra = None, {}
+        if keys > 1:
+            labels = rng.sample(LABELS, keys)
+            others = [(label, str(rng.randrange(10 ** (digits - 1), 10**digits)), rng.random()) for label in labels[1:]]
+            text = multikey_prompt(tokenizer, length, [(labels[0], passkey, depth), *others], labels[0])
+            extra = {"asked": labels[0], "distractors": [key for _, key, _ in others]}
+        result = passkey_trial(model, tokenizer, length, depth, passkey, max_new_tokens, text=text)
+        records.append({"context": length, "depth": depth, "passkey": passkey, **extra, **result})
 
     def mean(rows) -> float:
         return sum(r["correct"] for r in rows) / len(rows)
@@ -81,7 +125,9 @@ def passkey_accuracy(model: nn.Module, tokenizer, context_lengths=(256, 512, 102
         "accuracy": mean(records),
         "by_context": {str(n): mean([r for r in records if r["context"] == n]) for n in context_lengths},
         "by_depth": {str(d): mean([r for r in records if r["depth"] == d]) for d in depths},
+        "by_context_depth": {f"{n}@{d}": mean([r for r in records if r["context"] == n and r["depth"] == d])
+                             for n in context_lengths for d in depths},
         "settings": {"context_lengths": list(context_lengths), "depths": list(depths), "trials": trials,
-                     "digits": digits, "seed": seed},
+                     "digits": digits, "seed": seed, "keys": keys},
         "trials": records,
     }

@@ -123,18 +123,25 @@ def format_heal_table(results: list[dict]) -> str:
     return "\n".join([header, *rows])
 
 
-def format_passkey_table(results: list[dict]) -> str:
-    """Markdown: passkey retrieval accuracy per prompt length, for every results record that has one."""
-    measured = [r for r in results if r.get("passkey")]
-    contexts = sorted({int(n) for r in measured for n in r["passkey"]["by_context"]})
+def format_passkey_table(results: list[dict], key: str = "passkey") -> str:
+    """Markdown: passkey retrieval accuracy per prompt length (and per depth, in brackets), for every results
+    record that has one; ``key="multikey"`` for the multi-key variant."""
+    measured = [r for r in results if r.get(key)]
+    contexts = sorted({int(n) for r in measured for n in r[key]["by_context"]})
     if not measured:
         return ""
     header = "| model | method | ratio | " + " | ".join(f"{n} tokens" for n in contexts) + " | trials per length |"
     rows = [header, "|" + "---|" * (len(contexts) + 4)]
     for r in measured:
-        by_context = r["passkey"]["by_context"]
-        settings = r["passkey"]["settings"]
-        cells = [f"{by_context[str(n)]:.0%}" if str(n) in by_context else "-" for n in contexts]
+        by_context, settings = r[key]["by_context"], r[key]["settings"]
+        cells = []
+        for n in contexts:
+            if str(n) not in by_context:
+                cells.append("-")
+                continue
+            depths = r[key].get("by_context_depth", {})
+            detail = " / ".join(f"{depths[f'{n}@{d}']:.0%}" for d in settings["depths"] if f"{n}@{d}" in depths)
+            cells.append(f"{by_context[str(n)]:.0%}" + (f" ({detail})" if len(settings["depths"]) > 1 and detail else ""))
         rows.append(f"| {r.get('model', '')} | {r.get('method', '')} | {_ratio_text(r)} | " + " | ".join(cells)
                     + f" | {len(settings['depths']) * settings['trials']} |")
     return "\n".join(rows)
@@ -272,7 +279,11 @@ def _report_lines(data: RunData, out: Path, run_dirs: list[Path], title: str) ->
         if passkey:
             lines += ["## Passkey retrieval", "",
                       "Share of pass keys recalled (greedy) from a prompt of about that many tokens, the key hidden "
-                      "at depths 0.1 / 0.5 / 0.9 of the filler.", "", passkey, ""]
+                      "at the listed depths of the filler (per-depth shares in brackets).", "", passkey, ""]
+        multikey = format_passkey_table(results, "multikey")
+        if multikey:
+            lines += ["### Multi-key passkey", "", "Several labelled keys in the prompt, one asked for; only that key "
+                      "counts.", "", multikey, ""]
         downstream = _lm_eval_table(results)
         if downstream:
             lines += ["## Downstream tasks (lm-eval)", "", downstream, ""]

@@ -101,6 +101,10 @@ class HybridLinearAttention(nn.Module):
         theta = self.mix_logit
         return torch.sigmoid(theta.to(torch.promote_types(theta.dtype, torch.float32)))
 
+    def set_recall(self, sinks: int, sparse_cache: int) -> None:
+        """Change the sinks / sparse-cache sizes (no weights depend on them; a live decode state must be rebuilt)."""
+        self.recall = RecallSettings(sinks=int(sinks), sparse_cache=int(sparse_cache))
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: both feature maps and theta."""
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.mix_logit]
