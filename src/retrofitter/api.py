@@ -21,7 +21,8 @@ from .pipelines.offload import load_as_copies
 
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla", "export"]
+           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla", "export",
+           "set_recall", "recall_probes", "keep_softmax_for_recall"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -252,19 +253,53 @@ def global_plan_from_statistics(model: nn.Module, config: CompressConfig, statis
 
 def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | None = None,
               lora_blocks: torch.Tensor | None = None, progress: bool = True, work_dir=None, accelerator=None,
-              on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
+              on_stage=None, teacher: nn.Module | None = None, recall_probes: list | None = None
+              ) -> tuple[nn.Module, dict]:
     """LoLCATs in place (design.md §4): swap attention for the hybrid, stage 1 attention transfer on
     ``transfer_blocks`` [N, seq_len], stage 2 LoRA on ``lora_blocks`` then merge. Returns ``(model, report)``.
 
     ``config`` is a ``LinearizeConfig`` (default settings when None); ``work_dir`` holds the cached
     teacher inputs of block-wise transfer (resumable); ``on_stage(name, model)`` runs after each stage;
-    ``teacher`` is the original model of the stage-2 KL (default: ``model`` as it was before the swap).
+    ``teacher`` is the original model of the stage-2 KL (default: ``model`` as it was before the swap);
+    ``recall_probes`` (``recall_probes(tokenizer)``) are needed by ``keep_softmax_by="recall"``.
     """
     from .config import LinearizeConfig
     from .pipelines.linearize import linearize_model
 
     return linearize_model(model, config or LinearizeConfig(), transfer_blocks, lora_blocks, accelerator=accelerator,
-                           progress=progress, work_dir=work_dir, on_stage=on_stage, teacher=teacher)
+                           progress=progress, work_dir=work_dir, on_stage=on_stage, teacher=teacher,
+                           recall_probes=recall_probes)
+
+
+def recall_probes(tokenizer, corpus: str = "wiki-calib", count: int = 8, context_tokens: int = 2048,
+                  seed: int = 1234) -> list:
+    """Teacher-forced retrieval probes (``eval.passkey.retrieval_probes``): a pass key hidden in ``corpus``
+    text (never the evaluation's filler), ``count`` of about ``context_tokens`` tokens."""
+    from .data.blocks import tokenize_text
+    from .data.corpora import load_text
+    from .eval.passkey import retrieval_probes
+
+    haystack = torch.tensor(tokenize_text(tokenizer, load_text(corpus)), dtype=torch.long)
+    return retrieval_probes(tokenizer, haystack, count, context_tokens, seed=seed)
+
+
+def keep_softmax_for_recall(model: nn.Module, probes: list, count: int, progress: bool = True) -> dict:
+    """Give softmax attention back to the ``count`` hybrid layers of a linearized ``model`` that most raise the
+    answer likelihood of retrieval ``probes`` (``recall_probes``), in place and training-free; returns the
+    per-layer gains and the restored layers (``pipelines.recall_layers``)."""
+    from .pipelines.recall_layers import keep_softmax_for_recall as keep_layers
+
+    return keep_layers(model, probes, count, progress)
+
+
+def set_recall(model: nn.Module, sinks: int = 0, sparse_cache: int = 0) -> list[int]:
+    """Attention sinks and a LoLA-style sparse cache for every hybrid layer of a linearized ``model``, in place
+    and training-free (no weight depends on them; ``save`` keeps them). The first ``sinks`` tokens, and per
+    layer and kv head the ``sparse_cache`` keys the linear state recalls worst, are attended exactly;
+    ``0, 0`` restores the plain hybrid. Returns the hybrid layer indices."""
+    from .adapters.hybrid_attention import set_recall as set_layers_recall
+
+    return set_layers_recall(model, sinks, sparse_cache)
 
 
 def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress: bool = True):

@@ -235,8 +235,9 @@ class LinearizeConfig(JsonRoundTrip):
       so activation memory is one layer's instead of all layers' (the hybrid layer keeps about 350 MB
       of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
     ``keep_softmax_layers``: layer indices left as softmax attention; ``keep_softmax_top`` K: after stage 1,
-      the K hybrid layers with the largest attention-transfer MSE (measured on the probe blocks) get
-      their softmax attention back (needs stage 1).
+      K hybrid layers get their softmax attention back (needs stage 1), ranked by ``keep_softmax_by``:
+      ``mse`` the largest attention-transfer MSE (measured on the probe blocks), ``recall`` the largest
+      gain in retrieval-probe answer likelihood (``pipelines.recall_layers``).
     """
 
     feature_map: str = option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
@@ -267,8 +268,11 @@ class LinearizeConfig(JsonRoundTrip):
     gradient_checkpointing: bool = option(True, "recompute each decoder layer in the LoRA backward (memory of "
                                            "one layer's activations instead of all, ~30 %% more time)")
     keep_softmax_layers: tuple[int, ...] = option((), "comma-separated layer indices that keep softmax attention")
-    keep_softmax_top: int = option(0, "after stage 1, put softmax attention back in the K hybrid layers with the "
-                                    "largest attention-transfer error (0: none)")
+    keep_softmax_top: int = option(0, "after stage 1, put softmax attention back in K hybrid layers chosen by "
+                                    "--keep-softmax-by (0: none)")
+    keep_softmax_by: str = option("mse", "how --keep-softmax-top ranks layers: mse (largest attention-transfer error) "
+                                  "or recall (largest gain in the answer log-likelihood of retrieval probes hidden in "
+                                  "the training text; pipelines/recall_layers.py)", choices=("mse", "recall"))
     seed: int = option(0, "random seed")
     lora_sharding: str = option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
                                  choices=SHARDING_MODES)
@@ -299,6 +303,8 @@ class LinearizeConfig(JsonRoundTrip):
         if self.keep_softmax_top and not self.transfer_tokens:
             raise ValueError("keep_softmax_top ranks layers by their attention-transfer error: it needs stage 1 "
                              "(transfer_tokens > 0)")
+        if self.keep_softmax_by not in ("mse", "recall"):
+            raise ValueError(f"keep_softmax_by must be mse or recall, got {self.keep_softmax_by!r}")
         if any(int(i) < 0 for i in self.keep_softmax_layers):
             raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
 

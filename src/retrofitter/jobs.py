@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 
-from .api import compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, export, heal, linearize, load_model, load_tokenizer, save
+from .api import (compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, export, heal, linearize,
+                  load_model, load_tokenizer, recall_probes, save)
 from .checkpoint import RETROFITTER_JSON, check_separate_paths, is_retrofitted_dir, output_lock, read_retrofitter_json
 from .config import COMPRESS_CALIB_SAMPLES, MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
@@ -280,8 +281,11 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
         original_name = original_model_of(model_name)
         if config.lora_tokens > 0 and config.lora_loss == "kl":
             teacher, _ = load_model(original_name, dtype=dtype, device=device)
+    probes = None
+    if config.keep_softmax_top and config.keep_softmax_by == "recall":  # probes hidden in the training text
+        probes = recall_probes(tokenizer, train_corpus, context_tokens=config.seq_len)
     model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
-                              teacher=teacher)
+                              teacher=teacher, recall_probes=probes)
     del teacher
     if torchrun_rank() != 0:
         return {"rank": torchrun_rank(), "linearize_report": report}

@@ -152,6 +152,7 @@ def _fill_layer(layer, have: int, context: int) -> None:
     if isinstance(layer, HybridCacheLayer):  # constant state: only the token counts move
         state, extra = layer.state, context - have
         state.positions.copy_(torch.where(state.valid, state.positions + extra, state.positions))
+        # Sinks and sparse-cache keys are older tokens: they keep their positions.
         state.num_tokens.add_(extra)
         if isinstance(layer, StaticHybridCacheLayer):
             layer.seen_tokens.add_(extra)

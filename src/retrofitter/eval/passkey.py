@@ -24,7 +24,8 @@ import re
 import torch
 from torch import nn
 
-__all__ = ["FILLER", "LABELS", "passkey_prompt", "multikey_prompt", "passkey_trial", "passkey_accuracy"]
+__all__ = ["FILLER", "LABELS", "passkey_prompt", "multikey_prompt", "passkey_trial", "passkey_accuracy",
+           "retrieval_probes"]
 
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -131,3 +132,30 @@ def passkey_accuracy(model: nn.Module, tokenizer, context_lengths=(256, 512, 102
                      "digits": digits, "seed": seed, "keys": keys},
         "trials": records,
     }
+
+
+def retrieval_probes(tokenizer, haystack: torch.Tensor, count: int, context_tokens: int, digits: int = 5,
+                     seed: int = 1234) -> list[tuple[torch.Tensor, int]]:
+    """``count`` teacher-forced retrieval probes whose haystack is real text, not the evaluation's filler.
+
+    ``haystack`` ``[N]``: token ids of a training corpus. Probe ``i``: a window of the haystack with the
+    needle inserted at a random depth, then ``QUESTION`` and the answer. Returns ``(ids [1, L], answer_start)``:
+    the answer tokens are ``ids[0, answer_start:]``. Keys, depths and windows come from ``seed``, so the
+    probes never repeat an evaluation prompt (whose filler is ``FILLER``).
+    """
+    rng = random.Random(seed)
+    encode = lambda text: torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+    probes = []
+    for _ in range(count):
+        passkey = str(rng.randrange(10 ** (digits - 1), 10**digits))
+        needle, question, answer = encode(" " + _needle(passkey)), encode(" " + QUESTION), encode(" " + passkey + ".")
+        room = context_tokens - needle.numel() - question.numel() - answer.numel()
+        if room < 1 or haystack.numel() < room:
+            raise ValueError(f"a {context_tokens}-token probe needs {max(room, 1)} haystack tokens; "
+                             f"{haystack.numel()} given")
+        start = rng.randrange(0, haystack.numel() - room + 1)
+        cut = rng.randrange(0, room + 1)
+        text = haystack[start:start + room]
+        ids = torch.cat([text[:cut], needle, text[cut:], question, answer])
+        probes.append((ids[None], int(ids.numel() - answer.numel())))
+    return probes

@@ -39,6 +39,7 @@ from ..config import LinearizeConfig
 from ..modules.feature_maps import FEATURE_MAPS
 from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 from .lora import lora_finetune
+from .recall_layers import keep_softmax_for_recall
 from .resume import RunDirectory, fingerprint
 from .training import make_accelerator
 
@@ -336,12 +337,16 @@ def restore_worst_layers(model: nn.Module, layers: dict, count: int, key: str = 
 
 def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: torch.Tensor | None,
                     lora_blocks: torch.Tensor | None, accelerator=None, progress: bool = True, work_dir=None,
-                    on_stage=None, teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
+                    on_stage=None, teacher: nn.Module | None = None,
+                    recall_probes: list | None = None) -> tuple[nn.Module, dict]:
     """Swap + stage 1 + stage 2 in place. ``on_stage(name, model)`` is called after each stage
     (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. ``teacher``: the original
     model of the stage-2 KL (default: a copy of ``model`` before the swap; pass the original when
-    ``model`` is itself a conversion, e.g. a compressed model). Returns ``(model, report)``."""
+    ``model`` is itself a conversion, e.g. a compressed model). ``recall_probes``: the retrieval probes
+    ``keep_softmax_by="recall"`` ranks layers with (``eval.passkey.retrieval_probes``). Returns ``(model, report)``."""
     check_linearize_config(config)
+    if config.keep_softmax_top and config.keep_softmax_by == "recall" and not recall_probes:
+        raise ValueError("keep_softmax_by='recall' needs retrieval probes (recall_probes)")
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}
@@ -358,7 +363,10 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     if transfer_blocks is not None and config.transfer_tokens > 0:
         report["transfer"] = attention_transfer(model, transfer_blocks, config, accelerator, progress, work_dir)
         timings["transfer"] = report["transfer"]["seconds"]
-        if config.keep_softmax_top:
+        if config.keep_softmax_top and config.keep_softmax_by == "recall":
+            report["recall_ranking"] = keep_softmax_for_recall(model, recall_probes, config.keep_softmax_top, progress)
+            report["restored_softmax_layers"] = report["recall_ranking"]["restored_softmax_layers"]
+        elif config.keep_softmax_top:
             report["restored_softmax_layers"] = restore_worst_layers(model, report["transfer"]["layers"],
                                                                      config.keep_softmax_top)
             report["kept_softmax_layers"] = sorted(set(report["kept_softmax_layers"])

@@ -1,0 +1,157 @@
+"""Linearized models that remember: recall beyond the window, against the training-free baselines.
+
+One table, SmolLM2-135M, every row measured in this run:
+
+    original           the softmax model
+    swa-sinks          `linearize --preset swa-sinks`: sliding window 64 + 4 sinks, no linear part, no training
+    <trained>          each trained hybrid given with --trained LABEL=DIR (e.g. quality=runs/recall/quality)
+    <trained>+s4       + 4 attention sinks                         (api.set_recall, training-free)
+    <trained>+s4+mM    + a sparse cache of M keys per layer and kv head (LoLA-style), for each M in --sparse
+
+Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
+--passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each); the multi-key variant (--keys labelled
+keys, one asked; depths x --multikey-trials) at --multikey lengths; then one interleaved eager decode
+benchmark (eval.bench_decode, batch 1, dynamic cache, contexts --contexts): tokens/s and the bytes of
+the filled cache at every context (every tensor reachable from it). A finished row is kept in
+OUT/rows/ and skipped when the script runs again.
+
+    python benchmarks/recall.py --trained quality=runs/recall/quality --out runs/recall \\
+        --json benchmarks/results/recall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from common import eval_blocks, machine_info, perplexities
+from retrofitter.api import load, load_model, linearize, set_recall
+from retrofitter.config import LinearizeConfig
+from retrofitter.eval.bench_decode import bench_decode
+from retrofitter.eval.passkey import passkey_accuracy
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def build(label: str, spec: tuple, model_name: str):
+    kind, *rest = spec
+    if kind == "original":
+        return load_model(model_name)[0]
+    if kind == "swa-sinks":
+        model = load_model(model_name)[0]
+        linearize(model, LinearizeConfig.preset("swa-sinks"), progress=False)
+        return model
+    directory, sinks, cache = rest
+    model = load(directory)
+    set_recall(model, sinks, cache)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--trained", action="append", default=[], metavar="LABEL=DIR", help="a trained hybrid")
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
+    parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
+    parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
+    parser.add_argument("--multikey", type=ints, default=(4096, 8192))
+    parser.add_argument("--keys", type=int, default=4)
+    parser.add_argument("--multikey-trials", type=int, default=3)
+    parser.add_argument("--contexts", type=ints, default=(4096, 8192))
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated row labels (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("runs/recall"))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    (args.out / "rows").mkdir(parents=True, exist_ok=True)
+
+    rows: dict[str, tuple] = {"original": ("original",), "swa-sinks": ("swa-sinks",)}
+    for item in args.trained:
+        name, _, directory = item.partition("=")
+        rows[name] = ("trained", directory, 0, 0)
+        rows[f"{name}+s{args.sinks}"] = ("trained", directory, args.sinks, 0)
+        for size in args.sparse:
+            rows[f"{name}+s{args.sinks}+m{size}"] = ("trained", directory, args.sinks, size)
+    if args.only:
+        rows = {k: v for k, v in rows.items() if k in args.only.split(",") or k == "original"}
+
+    from retrofitter.api import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    blocks = {512: eval_blocks(tokenizer, ["wiki-eval"], 512, 4096), 2048: eval_blocks(tokenizer, ["wiki-eval"], 2048, 8192)}
+    results = {}
+    for label, spec in rows.items():
+        path = args.out / "rows" / f"{label}.json"
+        if path.exists():
+            results[label] = json.loads(path.read_text())
+            continue
+        print(f"[recall] {label}", flush=True)
+        start = time.perf_counter()
+        model = build(label, spec, args.model)
+        row = {"spec": list(spec), "ppl": {str(n): perplexities(model, b)["wiki-eval"] for n, b in blocks.items()}}
+        print(f"[recall] {label} ppl {row['ppl']}", flush=True)
+        row["passkey"] = passkey_accuracy(model, tokenizer, context_lengths=args.passkey, trials=args.trials,
+                                          progress=True)
+        print(f"[recall] {label} passkey {row['passkey']['by_context']}", flush=True)
+        if args.multikey:
+            row["multikey"] = passkey_accuracy(model, tokenizer, context_lengths=args.multikey, keys=args.keys,
+                                               trials=args.multikey_trials, seed=1, progress=True)
+            print(f"[recall] {label} multikey {row['multikey']['by_context']}", flush=True)
+        row["seconds"] = time.perf_counter() - start
+        path.write_text(json.dumps(row, indent=2))
+        results[label] = row
+        del model
+        gc.collect()
+
+    models = [(label, build(label, spec, args.model)) for label, spec in rows.items()]
+    speed = bench_decode(models, modes=("eager",), batch_sizes=(1,), contexts=args.contexts, prefill_len=0,
+                         decode_tokens=args.decode_tokens, cache="dynamic", repeats=args.repeats, warmup=1,
+                         floor=False, progress=True)
+    record = {"kind": "recall", "settings": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path)
+                                                 else v) for k, v in vars(args).items()},
+              "machine": machine_info(), "rows": results, "bench_decode": speed}
+    text = json.dumps(record, indent=2)
+    (args.out / "recall.json").write_text(text)
+    if args.json:
+        args.json.write_text(text)
+    print(table(record))
+
+
+def table(record: dict) -> str:
+    """Markdown: one row per model, ratios against the original's row."""
+    rows, speed = record["rows"], record["bench_decode"]["results"]["eager"]["1"]
+    base = rows["original"]
+    contexts = record["bench_decode"]["settings"]["contexts"]
+    lengths = record["rows"]["original"]["passkey"]["settings"]["context_lengths"]
+    multi = (record["rows"]["original"].get("multikey") or {}).get("settings", {}).get("context_lengths", [])
+    head = (["model", "ppl @512", "@2048"] + [f"passkey {n}" for n in lengths] + [f"multi-key {n}" for n in multi]
+            + [f"cache @{n}" for n in contexts] + [f"decode tok/s @{n}" for n in contexts])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, row in rows.items():
+        cells = [label] + [f"{row['ppl'][n]:.2f} ({row['ppl'][n] / base['ppl'][n]:.3f}×)" for n in ("512", "2048")]
+        cells += [f"{row['passkey']['by_context'][str(n)]:.0%}" for n in lengths]
+        cells += [f"{row['multikey']['by_context'][str(n)]:.0%}" for n in multi]
+        entry = speed[label]["decode"]
+        ref = speed["original"]["decode"]
+        cells += [f"{entry[str(n)]['cache_bytes'] / 2**20:.1f} MiB ({entry[str(n)]['cache_bytes'] / ref[str(n)]['cache_bytes']:.3f}×)"
+                  for n in contexts]
+        cells += [f"{entry[str(n)]['tokens_per_s']['median']:.1f} "
+                  f"({entry[str(n)]['tokens_per_s']['median'] / ref[str(n)]['tokens_per_s']['median']:.2f}×)"
+                  for n in contexts]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
