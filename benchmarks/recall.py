@@ -7,6 +7,9 @@ One table, SmolLM2-135M, every row measured in this run:
     <trained>          each trained hybrid given with --trained LABEL=DIR (e.g. quality=runs/recall/quality)
     <trained>+s4       + 4 attention sinks                         (api.set_recall, training-free)
     <trained>+s4+mM    + a sparse cache of M keys per layer and kv head (LoLA-style), for each M in --sparse
+    <trained>+kK       K layers given their softmax back, ranked by recall gain on probes hidden in wiki-calib
+                       (api.keep_softmax_for_recall, training-free), for each K in --keep
+    <trained>+kK+s4+mM both
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
 --passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each); the multi-key variant (--keys labelled
@@ -30,7 +33,8 @@ from pathlib import Path
 import torch
 
 from common import eval_blocks, machine_info, perplexities
-from retrofitter.api import load, load_model, linearize, set_recall
+from retrofitter.api import (keep_softmax_for_recall, linearize, load, load_model, recall_probes, restore_softmax_layers,
+                             load_tokenizer, set_recall)
 from retrofitter.config import LinearizeConfig
 from retrofitter.eval.bench_decode import bench_decode
 from retrofitter.eval.passkey import passkey_accuracy
@@ -40,7 +44,18 @@ def ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def build(label: str, spec: tuple, model_name: str):
+def kept_layers(directory: str, count: int, tokenizer, out: Path) -> list[int]:
+    """The ``count`` layers ranked first by recall gain (computed once per model and count, then read back)."""
+    path = out / "rows" / f"keep-{Path(directory).name}-{count}.json"
+    if not path.exists():
+        model = load(directory)
+        report = keep_softmax_for_recall(model, recall_probes(tokenizer, "wiki-calib", count=8, context_tokens=2048),
+                                         count, progress=True)
+        path.write_text(json.dumps(report, indent=2))
+    return json.loads(path.read_text())["restored_softmax_layers"]
+
+
+def build(spec: tuple, model_name: str, tokenizer, out: Path):
     kind, *rest = spec
     if kind == "original":
         return load_model(model_name)[0]
@@ -48,8 +63,11 @@ def build(label: str, spec: tuple, model_name: str):
         model = load_model(model_name)[0]
         linearize(model, LinearizeConfig.preset("swa-sinks"), progress=False)
         return model
-    directory, sinks, cache = rest
+    directory, sinks, cache, keep = rest
+    layers = kept_layers(directory, keep, tokenizer, out) if keep else []
     model = load(directory)
+    if layers:
+        restore_softmax_layers(model, layers)
     set_recall(model, sinks, cache)
     return model
 
@@ -60,11 +78,13 @@ def main() -> None:
     parser.add_argument("--trained", action="append", default=[], metavar="LABEL=DIR", help="a trained hybrid")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
+    parser.add_argument("--keep", type=ints, default=(2,), help="softmax layers kept by recall gain (rows +kK)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--multikey", type=ints, default=(4096, 8192))
-    parser.add_argument("--keys", type=int, default=4)
-    parser.add_argument("--multikey-trials", type=int, default=3)
+    parser.add_argument("--keys", type=int, default=2, help="labelled keys of the multi-key variant (SmolLM2-135M "
+                        "itself recalls 2 of them, not 3 or 4)")
+    parser.add_argument("--multikey-trials", type=int, default=4)
     parser.add_argument("--contexts", type=ints, default=(4096, 8192))
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
@@ -79,14 +99,16 @@ def main() -> None:
     rows: dict[str, tuple] = {"original": ("original",), "swa-sinks": ("swa-sinks",)}
     for item in args.trained:
         name, _, directory = item.partition("=")
-        rows[name] = ("trained", directory, 0, 0)
-        rows[f"{name}+s{args.sinks}"] = ("trained", directory, args.sinks, 0)
+        rows[name] = ("trained", directory, 0, 0, 0)
+        rows[f"{name}+s{args.sinks}"] = ("trained", directory, args.sinks, 0, 0)
         for size in args.sparse:
-            rows[f"{name}+s{args.sinks}+m{size}"] = ("trained", directory, args.sinks, size)
+            rows[f"{name}+s{args.sinks}+m{size}"] = ("trained", directory, args.sinks, size, 0)
+        for keep in args.keep:
+            rows[f"{name}+k{keep}"] = ("trained", directory, 0, 0, keep)
+            rows[f"{name}+k{keep}+s{args.sinks}+m{args.sparse[0]}"] = ("trained", directory, args.sinks,
+                                                                      args.sparse[0], keep)
     if args.only:
         rows = {k: v for k, v in rows.items() if k in args.only.split(",") or k == "original"}
-
-    from retrofitter.api import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     blocks = {512: eval_blocks(tokenizer, ["wiki-eval"], 512, 4096), 2048: eval_blocks(tokenizer, ["wiki-eval"], 2048, 8192)}
@@ -98,7 +120,7 @@ def main() -> None:
             continue
         print(f"[recall] {label}", flush=True)
         start = time.perf_counter()
-        model = build(label, spec, args.model)
+        model = build(spec, args.model, tokenizer, args.out)
         row = {"spec": list(spec), "ppl": {str(n): perplexities(model, b)["wiki-eval"] for n, b in blocks.items()}}
         print(f"[recall] {label} ppl {row['ppl']}", flush=True)
         row["passkey"] = passkey_accuracy(model, tokenizer, context_lengths=args.passkey, trials=args.trials,
@@ -114,7 +136,7 @@ def main() -> None:
         del model
         gc.collect()
 
-    models = [(label, build(label, spec, args.model)) for label, spec in rows.items()]
+    models = [(label, build(spec, args.model, tokenizer, args.out)) for label, spec in rows.items()]
     speed = bench_decode(models, modes=("eager",), batch_sizes=(1,), contexts=args.contexts, prefill_len=0,
                          decode_tokens=args.decode_tokens, cache="dynamic", repeats=args.repeats, warmup=1,
                          floor=False, progress=True)

@@ -22,7 +22,7 @@ from .pipelines.offload import load_as_copies
 __all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
            "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
            "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla", "export",
-           "set_recall", "recall_probes", "keep_softmax_for_recall"]
+           "set_recall", "recall_probes", "keep_softmax_for_recall", "restore_softmax_layers"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -281,6 +281,14 @@ def recall_probes(tokenizer, corpus: str = "wiki-calib", count: int = 8, context
 
     haystack = torch.tensor(tokenize_text(tokenizer, load_text(corpus)), dtype=torch.long)
     return retrieval_probes(tokenizer, haystack, count, context_tokens, seed=seed)
+
+
+def restore_softmax_layers(model: nn.Module, layers) -> list[int]:
+    """Softmax attention back in the given hybrid ``layers`` of a linearized ``model`` (their current
+    projections); the model then saves and caches like one linearized with those layers kept."""
+    from .adapters.hybrid_attention import restore_softmax
+
+    return restore_softmax(model, layers)
 
 
 def keep_softmax_for_recall(model: nn.Module, probes: list, count: int, progress: bool = True) -> dict:

@@ -1,4 +1,4 @@
-"""Command line: ``retrofitter {fetch,compress,mla,linearize,heal,export,eval,bench,report,demo}``.
+"""Command line: ``retrofitter {fetch,compress,mla,linearize,recall,heal,export,eval,bench,report,demo}``.
 
 Each command maps its flags onto one function (``jobs``, ``demo``, ``eval.bench``, ``eval.report``)
 and prints / writes what it returns. The flags of ``compress`` and ``linearize`` are generated from
@@ -141,6 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(linearize)
     _add_eval_flags(linearize, "--eval", "wiki-eval")
     _add_common(linearize)
+
+    recall = commands.add_parser("recall", help="training-free recall for a linearized model: attention sinks, "
+                                 "a sparse cache, softmax kept in the layers that matter for retrieval")
+    recall.add_argument("model", help="a `retrofitter linearize` output")
+    recall.add_argument("--sinks", type=int, default=4, help="first tokens always attended exactly (default 4)")
+    recall.add_argument("--sparse-cache", type=int, default=0, metavar="M",
+                        help="keys per layer and kv head the linear state recalls worst, attended exactly (LoLA)")
+    recall.add_argument("--keep-softmax-top", type=int, default=0, metavar="K",
+                        help="give softmax back to the K layers with the largest gain on retrieval probes")
+    recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
+    recall.add_argument("--probe-tokens", type=int, default=2048, help="length of each retrieval probe (default 2048)")
+    _add_output_flags(recall)
+    _add_eval_flags(recall, "--eval", "wiki-eval")
+    _add_common(recall)
 
     heal = commands.add_parser("heal", help="distillation from the original model (LoRA, merged) that heals a "
                                "compressed or linearized model")
@@ -309,6 +323,16 @@ def cmd_linearize(args) -> int:
     return _show(results, args)
 
 
+def cmd_recall(args) -> int:
+    from ..recall_job import recall_job
+
+    return _show(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
+                            keep_softmax_top=args.keep_softmax_top, probe_corpus=args.probe_corpus,
+                            probe_tokens=args.probe_tokens,
+                            eval_config=_eval_config(args, 512), overwrite=args.overwrite, dtype=args.dtype,
+                            device=args.device, progress=not args.quiet), args)
+
+
 def cmd_bench(args) -> int:
     import torch
 
@@ -363,7 +387,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla": cmd_mla, "linearize": cmd_linearize, "heal": cmd_heal,
+COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla": cmd_mla, "linearize": cmd_linearize,
+            "recall": cmd_recall, "heal": cmd_heal,
             "export": cmd_export, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 

@@ -1,0 +1,54 @@
+"""``retrofitter recall``: recall beyond the window for an already linearized model, training-free.
+
+Loads a linearized model (a ``linearize`` output), optionally gives softmax attention back to the
+``keep_softmax_top`` layers with the largest recall gain (``api.keep_softmax_for_recall``, probes hidden
+in ``probe_corpus``), sets ``sinks`` attention sinks and a ``sparse_cache`` of that many keys per layer and
+kv head (``api.set_recall``), saves to ``out`` and evaluates. No weight changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .api import evaluate, keep_softmax_for_recall, load_model, recall_probes, save, set_recall
+from .checkpoint import is_retrofitted_dir, output_lock, read_retrofitter_json
+from .config import EvalConfig
+from .data.corpora import check_corpus
+from .preflight import check_outputs
+
+__all__ = ["recall_job"]
+
+
+def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_softmax_top: int = 0,
+               probe_corpus: str = "wiki-calib", probe_tokens: int = 2048, eval_config: EvalConfig = EvalConfig(()),
+               overwrite: bool = False, dtype="float32", device="cpu", progress: bool = True) -> dict:
+    """The steps of the module docstring; returns the results record (with ``recall`` settings and, when
+    layers were kept, their recall ranking). Every argument is checked before any work."""
+    out = Path(out)
+    if not is_retrofitted_dir(model_dir) or "lolcats" not in str(read_retrofitter_json(model_dir).get("method", "")):
+        raise ValueError(f"{model_dir} is not a linearized model (a `retrofitter linearize` output)")
+    if sinks < 0 or sparse_cache < 0 or keep_softmax_top < 0:
+        raise ValueError(f"--sinks, --sparse-cache and --keep-softmax-top must be >= 0; got {sinks}, {sparse_cache}, "
+                         f"{keep_softmax_top}")
+    if keep_softmax_top:
+        check_corpus(probe_corpus, "--probe-corpus")
+    check_outputs(out, overwrite, eval_config, {"MODEL": model_dir}, {})
+    with output_lock(out):
+        model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
+        report = {}
+        if keep_softmax_top:
+            probes = recall_probes(tokenizer, probe_corpus, context_tokens=probe_tokens)
+            report = keep_softmax_for_recall(model, probes, keep_softmax_top, progress=progress)
+        layers = set_recall(model, sinks, sparse_cache)
+        info = read_retrofitter_json(model_dir)
+        metadata = {k: v for k, v in info.items() if k not in ("format_version", "replacements", "versions")}
+        recall = {"sinks": sinks, "sparse_cache": sparse_cache, "hybrid_layers": layers,
+                  "kept_softmax_layers": report.get("restored_softmax_layers", []), "source_dir": str(model_dir)}
+        metadata["recall"] = recall
+        save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
+        results = evaluate(model, tokenizer, eval_config, progress=progress, name=str(model_dir),
+                           method=metadata.get("method", "lolcats"), ratio=metadata.get("ratio"))
+        results["out"], results["recall"] = str(out), recall
+        if report:
+            results["recall_ranking"] = report
+        return results

@@ -1,0 +1,38 @@
+"""`retrofitter recall` on a tiny linearized model: sinks, a sparse cache and kept softmax layers, saved and loaded."""
+
+import json
+
+import torch
+
+from retrofitter.adapters.hybrid_attention import hybrid_attention_modules
+from retrofitter.api import load
+from retrofitter.cli import main
+from tiny_models import SAMPLE_TEXT, save_tiny_model_dir
+
+
+def test_recall_command_sets_sinks_cache_and_kept_layers(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    text = tmp_path / "train.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    lin, out = tmp_path / "lin", tmp_path / "recall"
+    assert main(["linearize", str(model_dir), "--train-corpus", str(text), "--seq-len", "64", "--transfer-tokens",
+                 "128", "--lora-tokens", "0", "--window", "8", "--feature-dim", "8", "--no-eval", "--out", str(lin),
+                 "--quiet"]) == 0
+    assert main(["recall", str(model_dir), "--out", str(tmp_path / "x"), "--no-eval", "--quiet"]) == 2  # not linearized
+    results = tmp_path / "recall.json"
+    argv = ["recall", str(lin), "--sinks", "2", "--sparse-cache", "3", "--keep-softmax-top", "1", "--probe-corpus",
+            str(text), "--probe-tokens", "160", "--eval", str(text), "--eval-seq-len", "64", "--out", str(out), "--json",
+            str(results), "--quiet"]
+    assert main(argv) == 0
+    data = json.loads(results.read_text())
+    kept = data["recall"]["kept_softmax_layers"]
+    assert len(kept) == 1 and data["recall"]["hybrid_layers"] == [1 - kept[0]]
+    assert set(data["recall_ranking"]["gains"]) == {"0", "1"}  # JSON keys
+    assert main(argv) == 2  # the existing --out is not replaced without --overwrite
+    model, _ = load(out)
+    (module,) = hybrid_attention_modules(model).values()
+    assert (module.hybrid.recall.sinks, module.hybrid.recall.sparse_cache) == (2, 3)
+    tokens = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        generated = model.generate(input_ids=tokens, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 44)
