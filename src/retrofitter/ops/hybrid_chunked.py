@@ -146,9 +146,9 @@ def hybrid_attention_chunked(
     sparse = None
     if recall.sparse_cache:
         with torch.no_grad():  # the selection is discrete; gradients flow through the cached keys' terms
-            errors = recall_scores(k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, sinks=recall.sinks)
-        if order is not None:
-            errors = errors.gather(2, order[:, None, :].expand(b, g, n))
+            key_errors = recall_scores(k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h,
+                                       sinks=recall.sinks)  # [b, g, n] at the original positions
+        errors = key_errors if order is None else key_errors.gather(2, order[:, None, :].expand(b, g, n))
         errors = F.pad(errors, (0, padded_len - n)).view(b, g, m, chunk)
         sparse = sparse_cache_terms(q_c, k_c, v_c, phi_q, phi_k, errors, counts, kind=kind, window=window,
                                     sinks=recall.sinks, size=recall.sparse_cache, scale=scale)
@@ -187,6 +187,6 @@ def hybrid_attention_chunked(
     if return_state:
         state = prefill_state(
             k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind,
-            recall=recall,
+            recall=recall, scores=key_errors if sparse is not None else None,
         )
     return y.to(q.dtype), state

@@ -183,8 +183,10 @@ def prefill_state(
     window: int,
     window_kind: str = "sliding",
     recall: RecallSettings = RecallSettings(),
+    scores: torch.Tensor | None = None,
 ) -> HybridRecurrentState:
-    """State after the tokens of ``k, v`` ``[b, g, n, dh]`` (mask ``[b, n]``, True = real).
+    """State after the tokens of ``k, v`` ``[b, g, n, dh]`` (mask ``[b, n]``, True = real); ``scores``: the
+    ``recall_scores`` of these keys when the caller has them already (computed here otherwise).
 
     Equals the state that ``hybrid_recurrent_step`` reaches after those tokens: the buffer holds
     ``W_{L-1}`` (window of the last real token, at slots ``i mod s``), the sinks their buffer, the
@@ -204,7 +206,8 @@ def prefill_state(
     evicted = (positions >= S) & ~in_window  # [b, n]: left the window, not a sink
     keep = torch.zeros(b, g, n, dtype=torch.bool, device=k.device)
     if M:
-        scores = recall_scores(k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=n_heads, sinks=S)
+        if scores is None:
+            scores = recall_scores(k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=n_heads, sinks=S)
         keep = select_top(scores, positions[:, None, :].expand(b, g, n), evicted[:, None, :].expand(b, g, n), M)
     in_linear = (evicted[:, None, :] & ~keep).repeat_interleave(groups, dim=1)  # [b, h, n]
 
