@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from retrofitter.adapters.hybrid_attention import hybrid_attention_modules
@@ -36,3 +37,12 @@ def test_recall_command_sets_sinks_cache_and_kept_layers(tmp_path):
     with torch.no_grad():
         generated = model.generate(input_ids=tokens, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 44)
+    scores = tmp_path / "passkey.json"
+    assert main(["eval", str(out), "--ppl", str(text), "--seq-len", "64", "--passkey", "220", "--passkey-trials", "1",
+                 "--passkey-depths", "0.2,0.8", "--passkey-keys", "2", "--json", str(scores), "--quiet"]) == 0
+    record = json.loads(scores.read_text())
+    assert set(record["passkey"]["by_context_depth"]) == {"220@0.2", "220@0.8"}
+    assert record["multikey"]["settings"]["keys"] == 2 and len(record["multikey"]["trials"]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse: one line, exit status 2
+        main(["eval", str(out), "--passkey", "220", "--passkey-depths", "1.5", "--quiet"])
+    assert refused.value.code == 2
