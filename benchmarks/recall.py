@@ -5,7 +5,7 @@ One table, SmolLM2-135M, every row measured in this run:
     original           the softmax model
     swa-sinks          `linearize --preset swa-sinks`: sliding window 64 + 4 sinks, no linear part, no training
     <trained>          each trained hybrid given with --trained LABEL=DIR (e.g. quality=runs/recall/quality)
-    <trained>+s4       + 4 attention sinks                         (api.set_recall, training-free)
+    <trained>+s4       + 4 attention sinks (with --sinks-row)       (api.set_recall, training-free)
     <trained>+s4+mM    + a sparse cache of M keys per layer and kv head (LoLA-style), for each M in --sparse
     <trained>+kK       K layers given their softmax back, ranked by recall gain on probes hidden in wiki-calib
                        (api.keep_softmax_for_recall, training-free), for each K in --keep
@@ -48,7 +48,7 @@ def kept_layers(directory: str, count: int, tokenizer, out: Path) -> list[int]:
     """The ``count`` layers ranked first by recall gain (computed once per model and count, then read back)."""
     path = out / "rows" / f"keep-{Path(directory).name}-{count}.json"
     if not path.exists():
-        model = load(directory)
+        model = load(directory)[0]
         report = keep_softmax_for_recall(model, recall_probes(tokenizer, "wiki-calib", count=8, context_tokens=2048),
                                          count, progress=True)
         path.write_text(json.dumps(report, indent=2))
@@ -65,7 +65,7 @@ def build(spec: tuple, model_name: str, tokenizer, out: Path):
         return model
     directory, sinks, cache, keep = rest
     layers = kept_layers(directory, keep, tokenizer, out) if keep else []
-    model = load(directory)
+    model = load(directory)[0]
     if layers:
         restore_softmax_layers(model, layers)
     set_recall(model, sinks, cache)
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--trained", action="append", default=[], metavar="LABEL=DIR", help="a trained hybrid")
     parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--sinks-row", action="store_true", help="also a row with the sinks alone")
     parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
     parser.add_argument("--keep", type=ints, default=(2,), help="softmax layers kept by recall gain (rows +kK)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
@@ -100,7 +101,8 @@ def main() -> None:
     for item in args.trained:
         name, _, directory = item.partition("=")
         rows[name] = ("trained", directory, 0, 0, 0)
-        rows[f"{name}+s{args.sinks}"] = ("trained", directory, args.sinks, 0, 0)
+        if args.sinks_row:
+            rows[f"{name}+s{args.sinks}"] = ("trained", directory, args.sinks, 0, 0)
         for size in args.sparse:
             rows[f"{name}+s{args.sinks}+m{size}"] = ("trained", directory, args.sinks, size, 0)
         for keep in args.keep:
@@ -162,7 +164,7 @@ def table(record: dict) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
         cells = [label] + [f"{row['ppl'][n]:.2f} ({row['ppl'][n] / base['ppl'][n]:.3f}×)" for n in ("512", "2048")]
-        cells += [f"{row['passkey']['by_context'][str(n)]:.0%}" for n in lengths]
+        cells += [f"{row['passkey']['by_context'][str(n)]:.0%}" for n in lengths]  # 3 depths x --trials each
         cells += [f"{row['multikey']['by_context'][str(n)]:.0%}" for n in multi]
         entry = speed[label]["decode"]
         ref = speed["original"]["decode"]
