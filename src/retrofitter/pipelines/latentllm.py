@@ -241,12 +241,12 @@ class _LatentLLMLayer:
         select = self.config.down_fit == "select"
         folds = [DownFitMoments(down.in_features, down.weight.device, keep_target=select)
                  for _ in range(2 if select else 1)]
-        kind = self.adapter.mlp_kind
+        mlp_kind = self.adapter.mlp_kind
 
         def update(batch: int, x_t: torch.Tensor, x_c: torch.Tensor) -> None:
             """h = the original MLP's intermediate of x_t, ĥ = the compressed one's of x_c."""
-            h = mlp_intermediate(kind, activation, {n: m(x_t) for n, m in originals.items()})
-            h_hat = mlp_intermediate(kind, activation, {n: m(x_c) for n, m in compressed.items()})
+            h = mlp_intermediate(mlp_kind, activation, {n: m(x_t) for n, m in originals.items()})
+            h_hat = mlp_intermediate(mlp_kind, activation, {n: m(x_c) for n, m in compressed.items()})
             folds[batch % len(folds)].update(h, h_hat)
 
         if self.teacher_target:  # x_t: the original model's MLP input of the same token
@@ -280,19 +280,19 @@ class _LatentLLMLayer:
         extra = {}
         if select and min(fold.count for fold in folds) > 0:
             parts = [fold.moments(has_bias) for fold in folds]
-            held_out = {kind: sum(down_fit_error(down.weight, *fit(parts[i]), parts[1 - i].target, parts[1 - i].cross,
-                                                 parts[1 - i].hat) for i in (0, 1)) / 2 for kind, fit in fits.items()}
-            kind = min(held_out, key=held_out.get)
+            held_out = {name: sum(down_fit_error(down.weight, *fit(parts[i]), parts[1 - i].target, parts[1 - i].cross,
+                                                 parts[1 - i].hat) for i in (0, 1)) / 2 for name, fit in fits.items()}
+            chosen_fit = min(held_out, key=held_out.get)
             extra = {"held_out_error": held_out}
             folds[0].merge(folds[1])
         else:
             if select:
                 log.info("layer %d: one calibration batch, no held-out half: joint down fit", self.index)
-            kind = "joint"
+            chosen_fit = "joint"
         total = folds[0]
         total.hat_accumulator.check_finite(f"layer {self.index} compressed MLP intermediate")
         moments = total.moments(has_bias)
-        B, A = fits[kind](moments)
+        B, A = fits[chosen_fit](moments)
         bias = None
         if has_bias:  # b̂ = b + W_d μ_h − Ŵ μ_ĥ
             weight = down.weight.detach().to(torch.float64)
@@ -302,7 +302,7 @@ class _LatentLLMLayer:
         # Proxy: E‖W_d h − Ŵ ĥ‖² / E‖W_d h‖² from the moments (h's own second moment is not kept: use Ŵ vs W*).
         target = torch.linalg.solve(damped(moments.hat, damping), moments.cross.T.to(moments.hat)).T
         error = proxy_error(down.weight.detach().to(torch.float64) @ target, B, A, moments.hat)
-        method = "joint_mlp_streaming" if kind == "joint" else "local_by_held_out_error"
+        method = "joint_mlp_streaming" if chosen_fit == "joint" else "local_by_held_out_error"
         self.context.replace(down_name, replacement, entry(down, replacement, error, method=method, **extra))
 
     def _auxiliary(self, inputs, down_name: str) -> bool:
