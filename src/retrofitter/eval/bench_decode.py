@@ -23,12 +23,14 @@ the ratio of the time spent in what the floor does not contain (the projections 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
 from torch import nn
 
+from ..data.cache import cache_dir
 from .bench import cache_nbytes, machine_info, peak_memory
 from .decode_loop import (CACHE_KINDS, compile_step, decode_step, fill_cache, greedy_decode, make_cache,
                           prepare_for_compile, skip_projections)
@@ -148,6 +150,9 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
     """
     modes, batch_sizes, contexts = list(modes), [int(b) for b in batch_sizes], [int(n) for n in contexts]
     _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup)
+    inductor_cache = None
+    if "compiled" in modes:  # compiled kernels and graphs persist between runs (minutes of compiling saved)
+        inductor_cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     runners = {label: _Runner(model, cache, backend) for label, model in models}
     if floor:
         runners[FLOOR_LABEL] = _Runner(skip_projections(models[0][1]), cache, backend)
@@ -161,7 +166,7 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
                     for label, runner in runners.items():
                         if progress:
                             compiling = (" — compiling its prefill and decode step first (minutes on a CPU; inductor "
-                                         "caches the kernels for later runs)"
+                                         f"keeps the kernels in {inductor_cache} for later runs)"
                                          if mode == "compiled" and repetition == 0 else "")
                             print(f"[bench_decode] repetition {repetition + 1}/{warmup + repeats} {mode} b={b} {label}"
                                   f"{compiling}", flush=True)
@@ -179,6 +184,7 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
             "settings": {"modes": modes, "batch_sizes": batch_sizes, "contexts": contexts, "prefill_len": prefill_len,
                          "decode_tokens": decode_tokens, "cache": cache, "fill_prefill": fill_prefill,
                          "repeats": repeats, "warmup": warmup, "floor": floor, "backend": backend, "seed": seed,
+                         "inductor_cache": inductor_cache,
                          "labels": list(runners), "logits_to_keep": 1,
                          "dtype": str(next(models[0][1].parameters()).dtype).replace("torch.", "")},
             "machine": machine_info(next(models[0][1].parameters()).device),
