@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from retrofitter.ops.hybrid_chunked import hybrid_attention_chunked
-from retrofitter.ops.hybrid_common import WINDOW_KINDS, get_window_kind
+from retrofitter.ops.hybrid_common import WINDOW_KINDS, RecallSettings, get_window_kind
 from retrofitter.ops.hybrid_naive import hybrid_attention_naive
 from retrofitter.ops.hybrid_recurrent import HybridRecurrentState, hybrid_recurrent_step, prefill_state
 
@@ -43,10 +43,11 @@ def left_padding(b, n, pads):
     return mask
 
 
-def op_kwargs(w_q, w_k, theta, window, kind, mask=None, linear_weight="one"):
+def op_kwargs(w_q, w_k, theta, window, kind, mask=None, linear_weight="one", sinks=0, cache=0):
     return dict(
         feature_map_q=hedgehog(w_q), feature_map_k=hedgehog(w_k), gamma=torch.sigmoid(theta),
         window=window, window_kind=kind, key_padding_mask=mask, linear_weight=linear_weight,
+        recall=RecallSettings(sinks=sinks, sparse_cache=cache),
     )
 
 
@@ -93,12 +94,15 @@ def test_naive_matches_scalar_loop_oracle(kind, linear_weight):
 @pytest.mark.parametrize("kind", ["sliding", "terraced"])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (4, 1)])
 @pytest.mark.parametrize("pads", [None, [0, 3, 13]])
-@pytest.mark.parametrize("window,n", [(4, 21), (5, 20), (8, 5), (1, 6)])
-def test_chunked_matches_naive(kind, heads, pads, window, n):
+@pytest.mark.parametrize("window,n,sinks,cache", [(4, 21, 0, 0), (5, 20, 0, 0), (8, 5, 0, 0), (1, 6, 0, 0),
+                                                  (4, 29, 2, 3), (5, 26, 0, 4), (3, 8, 4, 2), (1, 9, 1, 1),
+                                                  (4, 30, 3, 0)])
+def test_chunked_matches_naive(kind, heads, pads, window, n, sinks, cache):
+    """With and without sinks / a sparse cache (the rule: test_hybrid_recall.py)."""
     h, g = heads
     q, k, v, w_q, w_k, theta = make_problem(h=h, g=g, n=n)
     mask = left_padding(3, n, [min(p, n - 1) for p in pads]) if pads else None
-    kw = op_kwargs(w_q, w_k, theta, window, kind, mask, "one_minus_gamma" if window == 5 else "one")
+    kw = op_kwargs(w_q, w_k, theta, window, kind, mask, "one_minus_gamma" if window == 5 else "one", sinks, cache)
     y_naive, _ = hybrid_attention_naive(q, k, v, **kw)
     y_chunked, _ = hybrid_attention_chunked(q, k, v, **kw)
     assert torch.isfinite(y_chunked).all()
@@ -106,13 +110,14 @@ def test_chunked_matches_naive(kind, heads, pads, window, n):
 
 
 @pytest.mark.parametrize("kind", ["sliding", "terraced"])
-def test_chunked_gradients_match_naive(kind):
-    inputs = make_problem(b=2, h=4, g=2, n=14, requires_grad=True)
-    mask = left_padding(2, 14, [0, 5])
+@pytest.mark.parametrize("n,window,sinks,cache", [(14, 4, 0, 0), (19, 3, 2, 2)])
+def test_chunked_gradients_match_naive(kind, n, window, sinks, cache):
+    inputs = make_problem(b=2, h=4, g=2, n=n, requires_grad=True)
+    mask = left_padding(2, n, [0, 5])
     grads = {}
     for name, run in (("naive", hybrid_attention_naive), ("chunked", hybrid_attention_chunked)):
         q, k, v, w_q, w_k, theta = inputs
-        y, _ = run(q, k, v, **op_kwargs(w_q, w_k, theta, 4, kind, mask))
+        y, _ = run(q, k, v, **op_kwargs(w_q, w_k, theta, window, kind, mask, sinks=sinks, cache=cache))
         target = torch.linspace(-1, 1, y.numel(), dtype=F64).view_as(y)
         grads[name] = torch.autograd.grad((y * target).sum(), inputs)
     for i, (gn, gc) in enumerate(zip(grads["naive"], grads["chunked"])):

@@ -1,5 +1,7 @@
 """Sinks and the sparse cache of the hybrid attention: every execution equals the definition (float64).
 
+(Chunked = naive, values and gradients, with sinks and a sparse cache: test_hybrid_ops.py.)
+
 The oracle below recomputes the rule of ``ops.hybrid_common`` with scalar loops over real-token
 indices (windows written out, recall errors from explicit sums, the cache by sorting), so it shares
 nothing with the code under test but the feature map.
@@ -114,37 +116,6 @@ def test_select_top_is_the_pairwise_rank():
         ahead = outranks(scores[..., :, None], positions[..., :, None], scores[..., None, :], positions[..., None, :])
         count = (eligible[..., :, None] & ahead).sum(dim=-2)
         assert torch.equal(keep, eligible & (count < size))
-
-
-@pytest.mark.parametrize("kind", ["sliding", "terraced"])
-@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
-@pytest.mark.parametrize("pads", [None, [0, 3, 13]])
-@pytest.mark.parametrize("window,n,sinks,cache", [(4, 29, 2, 3), (5, 26, 0, 4), (3, 8, 4, 2), (1, 9, 1, 1),
-                                                  (4, 30, 3, 0)])
-def test_chunked_matches_naive(kind, heads, pads, window, n, sinks, cache):
-    h, g = heads
-    q, k, v, w_q, w_k, theta = make_problem(h=h, g=g, n=n)
-    mask = left_padding(3, n, [min(p, n - 1) for p in pads]) if pads else None
-    kw = kwargs(w_q, w_k, theta, window, kind, mask, "one_minus_gamma" if window == 5 else "one", sinks, cache)
-    y_naive, _ = hybrid_attention_naive(q, k, v, **kw)
-    y_chunked, _ = hybrid_attention_chunked(q, k, v, **kw)
-    assert torch.isfinite(y_chunked).all()
-    assert torch.allclose(y_chunked, y_naive, atol=TOL, rtol=0)
-
-
-@pytest.mark.parametrize("kind", ["sliding", "terraced"])
-def test_chunked_gradients_match_naive(kind):
-    inputs = make_problem(b=2, h=4, g=2, n=19, requires_grad=True)
-    mask = left_padding(2, 19, [0, 5])
-    grads = {}
-    for name, run in (("naive", hybrid_attention_naive), ("chunked", hybrid_attention_chunked)):
-        q, k, v, w_q, w_k, theta = inputs
-        y, _ = run(q, k, v, **kwargs(w_q, w_k, theta, 3, kind, mask, sinks=2, cache=2))
-        target = torch.linspace(-1, 1, y.numel(), dtype=F64).view_as(y)
-        grads[name] = torch.autograd.grad((y * target).sum(), inputs)
-    for i, (gn, gc) in enumerate(zip(grads["naive"], grads["chunked"])):
-        assert gn.abs().max() > 0, f"input {i} got no gradient"
-        assert torch.allclose(gc, gn, atol=TOL, rtol=0), f"gradient of input {i} differs"
 
 
 def decode(state, q, k, v, mask, w_q, w_k, theta, start, linear_weight="one"):
