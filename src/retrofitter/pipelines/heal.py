@@ -166,22 +166,29 @@ def _load_topk(run_dir: RunDirectory, indices: list[int], device):
     return torch.stack([p["values"] for p in parts]), torch.stack([p["index"].long() for p in parts])
 
 
-def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tensor, config: HealConfig, *,
-               accelerator=None, work_dir=None, progress: bool = True, on_step=None,
-               description: str = "heal") -> tuple[nn.Module, dict]:
-    """Distil ``teacher`` into ``student`` (in place) through merged LoRA; returns ``(student, report)``.
+class _Run(NamedTuple):
+    """What a heal run carries between its steps: resume state and the prepared training objects."""
 
-    ``blocks`` [N, seq_len] token ids (every process passes the same); ``teacher`` may be None for
-    next-token loss alone (``nll_weight`` = 1). ``work_dir`` makes the run resumable. ``on_step(step,
-    loss)`` is called after every optimizer step (progress reporting; tests interrupt through it).
-    """
+    run_dir: RunDirectory | None
+    state: dict  # step, elapsed, losses, finished (+ stopped_by)
+    resumed_from: int
+    objective: nn.Module
+    optimizer: torch.optim.Optimizer  # as prepared by accelerate
+    raw_optimizer: torch.optim.Optimizer  # its AdamW (checkpointed moments)
+    trainable: list[nn.Parameter]
+    skeleton: nn.Module | None  # FSDP2: the meta model the shards are gathered into
+    held: int  # this process's share of the student's parameters
+
+
+def _check_inputs(teacher, blocks: torch.Tensor, config: HealConfig) -> None:
     if blocks.ndim != 2 or blocks.shape[1] < 2:
         raise ValueError(f"training blocks must be [N, seq_len >= 2]; got {tuple(blocks.shape)}")
     if teacher is None and config.nll_weight < 1:
         raise ValueError("the KL loss needs the teacher (the original model); pass one or set nll_weight=1")
-    accelerator = accelerator or make_accelerator(next(student.parameters()).device)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    sharded = config.sharding == "fsdp" and world > 1
+
+
+def _attach_lora(student: nn.Module, teacher, config: HealConfig) -> list[HealTarget]:
+    """Freeze both models and give the student's targets LoRA factors (the same A init on every process)."""
     targets = heal_targets(student, config.targets)
     for p in student.parameters():
         p.requires_grad_(False)
@@ -189,23 +196,36 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-    torch.manual_seed(config.seed)  # LoRA A init: the same on every process
+    torch.manual_seed(config.seed)
     for target in targets:
         add_low_rank_delta(target.module, target.tensor, config.lora_rank, config.lora_alpha)
-    run_dir, state, saved_optimizer = None, {"step": 0, "elapsed": 0.0, "losses": [], "finished": False}, None
-    if work_dir is not None:  # checkpoints hold whole tensors: a run may resume under the other sharding
-        settings = {k: v for k, v in config.to_dict().items() if k not in ("checkpoint_every", "sharding")}
-        run_dir = RunDirectory(work_dir, fingerprint(settings, blocks, [t.name for t in targets], world))
-        saved = run_dir.load_progress()
-        if saved is not None and saved.get("step", 0) > 0:
-            load_low_rank_delta_state(student, run_dir.load_tensors("lora"))
-            saved_optimizer = run_dir.load_tensors("optimizer")
-        state.update(saved or {})
+    return targets
+
+
+def _resume(student, teacher, blocks, config: HealConfig, targets, work_dir, accelerator, progress):
+    """``(run_dir, state, saved optimizer tensors)``: a previous run's LoRA factors loaded when ``work_dir`` has
+    them (checkpoints hold whole tensors: a run may resume under the other sharding); the top-k cache filled."""
+    state, saved_optimizer = {"step": 0, "elapsed": 0.0, "losses": [], "finished": False}, None
+    if work_dir is None:
         if config.teacher_topk:
-            _cache_teacher_topk(teacher, blocks, config, run_dir, state, accelerator, progress)
-    elif config.teacher_topk:
-        raise ValueError("teacher_topk caches the teacher's top-k in the work dir: give a work_dir")
-    resumed_from = state["step"]
+            raise ValueError("teacher_topk caches the teacher's top-k in the work dir: give a work_dir")
+        return None, state, None
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("checkpoint_every", "sharding")}
+    run_dir = RunDirectory(work_dir, fingerprint(settings, blocks, [t.name for t in targets], accelerator.num_processes))
+    saved = run_dir.load_progress()
+    if saved is not None and saved.get("step", 0) > 0:
+        load_low_rank_delta_state(student, run_dir.load_tensors("lora"))
+        saved_optimizer = run_dir.load_tensors("optimizer")
+    state.update(saved or {})
+    if config.teacher_topk:
+        _cache_teacher_topk(teacher, blocks, config, run_dir, state, accelerator, progress)
+    return run_dir, state, saved_optimizer
+
+
+def _prepare(student, teacher, config: HealConfig, accelerator, run_dir, state, saved_optimizer) -> _Run:
+    """The objective (student + teacher + loss), its AdamW on the LoRA factors, DDP or FSDP2 around them."""
+    world = accelerator.num_processes
+    sharded = config.sharding == "fsdp" and world > 1
     if config.gradient_checkpointing:
         student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     objective = DistillationLoss(student, None if config.teacher_topk else teacher, chunk_tokens=config.chunk_tokens,
@@ -215,7 +235,7 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         skeleton = meta_skeleton(student)
         shard_for_training(objective, student, device_mesh(accelerator.device, world))
     trainable = [p for delta in low_rank_deltas(student).values() for p in delta.parameters()]
-    held = sum(local_numel(p) for p in student.parameters())  # this process's share of the student
+    held = sum(local_numel(p) for p in student.parameters())
     optimizer = raw_optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
     if saved_optimizer is not None:
         _load_optimizer_tensors(optimizer, saved_optimizer)
@@ -224,21 +244,27 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
     else:
         objective, optimizer = accelerator.prepare(objective, optimizer)
     objective.train()
+    return _Run(run_dir, state, state["step"], objective, optimizer, raw_optimizer, trainable, skeleton, held)
+
+
+def _save_checkpoint(run: _Run, student, accelerator) -> None:
+    if run.run_dir is not None:  # every process gathers sharded tensors, the main process writes
+        lora = {k: full_tensor(v) for k, v in low_rank_delta_state(student).items()}
+        moments = {k: full_tensor(v) for k, v in _optimizer_tensors(run.raw_optimizer).items()}
+        if accelerator.is_main_process:
+            run.run_dir.save_tensors("lora", lora)
+            run.run_dir.save_tensors("optimizer", moments)
+            run.run_dir.save_progress(run.state)
+    accelerator.wait_for_everyone()
+
+
+def _train(run: _Run, student, blocks, config: HealConfig, accelerator, progress, on_step, description) -> str:
+    """Optimizer steps until the token or time budget is spent (or the run had finished); returns why it stopped."""
+    world, state = accelerator.num_processes, run.state
     max_steps = math.ceil(config.tokens / (config.batch_size * config.seq_len * world)) if config.tokens else None
     budget_s = config.minutes * 60 or None
-    order = _BlockOrder(blocks.shape[0], config.batch_size, world, rank, config.seed)
+    order = _BlockOrder(blocks.shape[0], config.batch_size, world, accelerator.process_index, config.seed)
     device = accelerator.device
-
-    def save_checkpoint():
-        if run_dir is not None:  # every process gathers sharded tensors, the main process writes
-            lora = {k: full_tensor(v) for k, v in low_rank_delta_state(student).items()}
-            moments = {k: full_tensor(v) for k, v in _optimizer_tensors(raw_optimizer).items()}
-            if accelerator.is_main_process:
-                run_dir.save_tensors("lora", lora)
-                run_dir.save_tensors("optimizer", moments)
-                run_dir.save_progress(state)
-        accelerator.wait_for_everyone()
-
     start, previous = time.perf_counter(), state["elapsed"]
     stopped_by = "finished earlier" if state["finished"] else None
     bar = tqdm(total=max_steps, initial=state["step"], desc=description, disable=not progress, leave=False)
@@ -253,17 +279,16 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
             stopped_by = "minutes"
             break
         fraction = max(state["step"] / max_steps if max_steps else 0.0, elapsed / budget_s if budget_s else 0.0)
-        for group in optimizer.param_groups:
+        for group in run.optimizer.param_groups:
             group["lr"] = learning_rate(config, state["step"], fraction)
         indices = order.indices(state["step"])
-        ids = blocks[indices].to(device)
-        topk = _load_topk(run_dir, indices, device) if config.teacher_topk else None
-        loss = objective(ids, topk)
+        topk = _load_topk(run.run_dir, indices, device) if config.teacher_topk else None
+        loss = run.objective(blocks[indices].to(device), topk)
         accelerator.backward(loss)
         if config.grad_clip:
-            accelerator.clip_grad_norm_(trainable, config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            accelerator.clip_grad_norm_(run.trainable, config.grad_clip)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
         value = float(accelerator.reduce(loss.detach(), reduction="mean")) if world > 1 else float(loss.detach())
         state["step"] += 1
         state["losses"].append(value)
@@ -271,33 +296,65 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
         bar.update(1)
         bar.set_postfix(loss=f"{value:.4f}")
         if state["step"] % config.checkpoint_every == 0:
-            save_checkpoint()
+            _save_checkpoint(run, student, accelerator)
         if on_step is not None:
             on_step(state["step"], value)
     bar.close()
     if stopped_by != "finished earlier":
         state["finished"], state["stopped_by"] = True, stopped_by
-        save_checkpoint()
-    seconds_this_run = time.perf_counter() - start
-    n_trainable = sum(p.numel() for p in trainable)  # DTensor numel: the whole tensor's
-    student = gather_into(skeleton, student) if sharded else accelerator.unwrap_model(objective).model
+        _save_checkpoint(run, student, accelerator)
+    return stopped_by
+
+
+def _merge(run: _Run, student, config: HealConfig, accelerator) -> nn.Module:
+    """The whole student (gathered from FSDP2 shards / unwrapped from DDP) with its LoRA factors merged, frozen."""
+    sharded = run.skeleton is not None
+    student = gather_into(run.skeleton, student) if sharded else accelerator.unwrap_model(run.objective).model
     merge_low_rank_deltas(student)
     if config.gradient_checkpointing:
         student.activation_checkpointing_disable()
     student.eval()
     for p in student.parameters():
         p.requires_grad_(False)
-    losses = state["losses"]
+    return student
+
+
+def _report(run: _Run, config: HealConfig, targets, world: int, stopped_by: str, seconds_this_run: float,
+            n_trainable: int) -> dict:
+    state, losses = run.state, run.state["losses"]
     window = max(1, len(losses) // 4)
-    report = {
+    return {
         "steps": state["step"], "tokens": int(state["step"] * config.batch_size * config.seq_len * world),
-        "seconds": state["elapsed"], "seconds_this_run": seconds_this_run, "resumed_from_step": resumed_from,
+        "seconds": state["elapsed"], "seconds_this_run": seconds_this_run, "resumed_from_step": run.resumed_from,
         "stopped_by": state.get("stopped_by", stopped_by), "processes": world, "trainable_parameters": n_trainable,
-        "sharding": "fsdp" if sharded else "ddp" if world > 1 else "none", "parameters_per_process": held,
-        "adapted_tensors": len(targets), "targets": sorted({t.short for t in targets}),
+        "sharding": "fsdp" if run.skeleton is not None else "ddp" if world > 1 else "none",
+        "parameters_per_process": run.held, "adapted_tensors": len(targets), "targets": sorted({t.short for t in targets}),
         "loss": "kl" if config.nll_weight == 0 else "next_token" if config.nll_weight == 1 else "kl+next_token",
         "loss_first": sum(losses[:window]) / window if losses else None,
         "loss_last": sum(losses[-window:]) / window if losses else None,
         "loss_history": losses, "config": config.to_dict(),
     }
-    return student, report
+
+
+def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tensor, config: HealConfig, *,
+               accelerator=None, work_dir=None, progress: bool = True, on_step=None,
+               description: str = "heal") -> tuple[nn.Module, dict]:
+    """Distil ``teacher`` into ``student`` (in place) through merged LoRA; returns ``(student, report)``.
+
+    ``blocks`` [N, seq_len] token ids (every process passes the same); ``teacher`` may be None for
+    next-token loss alone (``nll_weight`` = 1). ``work_dir`` makes the run resumable. ``on_step(step,
+    loss)`` is called after every optimizer step (progress reporting; tests interrupt through it).
+    Steps: check, attach LoRA, resume, prepare (DDP / FSDP2), train, merge, report.
+    """
+    _check_inputs(teacher, blocks, config)
+    accelerator = accelerator or make_accelerator(next(student.parameters()).device)
+    targets = _attach_lora(student, teacher, config)
+    run_dir, state, saved_optimizer = _resume(student, teacher, blocks, config, targets, work_dir, accelerator,
+                                              progress)
+    run = _prepare(student, teacher, config, accelerator, run_dir, state, saved_optimizer)
+    start = time.perf_counter()
+    stopped_by = _train(run, student, blocks, config, accelerator, progress, on_step, description)
+    seconds_this_run = time.perf_counter() - start
+    n_trainable = sum(p.numel() for p in run.trainable)  # DTensor numel: the whole tensor's
+    student = _merge(run, student, config, accelerator)
+    return student, _report(run, config, targets, accelerator.num_processes, stopped_by, seconds_this_run, n_trainable)
