@@ -15,50 +15,15 @@ import traceback
 from pathlib import Path
 
 from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, LINEARIZE_PRESETS,
-                      MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig)
+                      MLA_CALIB_SAMPLES, CompressConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, fraction_list, name_list, positive_int_list
+from .common import (OneLineParser, add_common, add_eval_flags, add_output_flags, add_quantize_flag, eval_config,
+                     show_results)
 from .guards import check_json_output, input_paths, quiet_libraries
 
 __all__ = ["main", "build_parser"]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
-
-def _add_common(parser, json_flag: bool = True) -> None:
-    if json_flag:  # a string: a trailing "/" (a directory meant) must survive to be refused
-        parser.add_argument("--json", help="write the results JSON here (a file; an existing one is replaced only "
-                                           "if it holds a JSON object)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-
-
-def _add_quantize_flag(parser, schemes) -> None:
-    parser.add_argument("--quantize", choices=sorted(schemes), default=None,
-                        help="quantize the projections after loading (torchao; embeddings and LM head stay float): "
-                             + "; ".join(f"{name}: {s.description}" for name, s in schemes.items()))
-
-
-def _add_eval_flags(parser, flag: str, default: str) -> None:
-    parser.add_argument(flag, dest="corpora", type=name_list, default=name_list(default),
-                        help=f"comma-separated evaluation corpora (default {default}): built-in names, "
-                             "a .txt file or directory, or hf:DATASET[:CONFIG][:SPLIT]")
-    parser.add_argument("--eval-seq-len", type=int, default=None, help="perplexity window length (default: --seq-len)")
-    parser.add_argument("--max-eval-tokens", type=int, default=None, help="cap on evaluation tokens per corpus")
-    parser.add_argument("--eval-batch-size", type=int, default=4)
-
-
-def _add_output_flags(parser) -> None:
-    parser.add_argument("--out", type=Path, required=True, help="output directory (safetensors)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
-    parser.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation of the result")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="perplexity and accounting of any causal LM")
     evaluate.add_argument("model", help="alias (smollm2-135m), local HF dir, saved retrofitter dir or hub id")
-    _add_eval_flags(evaluate, "--ppl", "wiki-eval")
+    add_eval_flags(evaluate, "--ppl", "wiki-eval")
     evaluate.add_argument("--seq-len", type=int, default=512)
     evaluate.add_argument("--tasks", type=name_list, default=(),
                           help="comma-separated lm-eval tasks or task YAML paths (needs the lm-eval extra)")
@@ -90,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="where the key sits in the filler (default 0.1,0.5,0.9)")
     evaluate.add_argument("--passkey-keys", type=int, default=1, metavar="K",
                           help="K > 1 adds the multi-key variant: K labelled keys in the prompt, one asked (max 8)")
-    _add_quantize_flag(evaluate, QUANTIZE_SCHEMES)
-    _add_common(evaluate)
+    add_quantize_flag(evaluate, QUANTIZE_SCHEMES)
+    add_common(evaluate)
 
     compress = commands.add_parser("compress", help="LatentLLM-style training-free low-rank compression")
     compress.add_argument("model")
@@ -109,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--out-of-core", action="store_true",
                           help="read the model one decoder layer at a time from its safetensors shards (models larger "
                                "than memory; --allocation uniform; no evaluation: run `retrofitter eval OUT`)")
-    _add_output_flags(compress)
-    _add_eval_flags(compress, "--eval", "wiki-eval")
-    _add_common(compress)
+    add_output_flags(compress)
+    add_eval_flags(compress, "--eval", "wiki-eval")
+    add_common(compress)
 
     mla = commands.add_parser("mla", help="Multi-head Latent Attention (DeepSeek layout) by conversion: a small "
                               "latent k/v cache with one shared rotary key, absorbed execution (training-free)")
@@ -121,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     mla.add_argument("--calib-samples", type=int, default=MLA_CALIB_SAMPLES,
                      help=f"calibration blocks (default {MLA_CALIB_SAMPLES})")
     mla.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
-    _add_output_flags(mla)
-    _add_eval_flags(mla, "--eval", "wiki-eval")
-    _add_common(mla)
+    add_output_flags(mla)
+    add_eval_flags(mla, "--eval", "wiki-eval")
+    add_common(mla)
 
     linearize = commands.add_parser("linearize", help="LoLCATs: hybrid window-softmax + linear attention, "
                                     "attention transfer then LoRA")
@@ -138,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     linearize.add_argument("--work-dir", type=Path, default=None,
                            help="block-wise transfer cache (default: next to --out; reused to resume)")
     linearize.add_argument("--eval-original", action="store_true", help="also evaluate the model before linearizing")
-    _add_output_flags(linearize)
-    _add_eval_flags(linearize, "--eval", "wiki-eval")
-    _add_common(linearize)
+    add_output_flags(linearize)
+    add_eval_flags(linearize, "--eval", "wiki-eval")
+    add_common(linearize)
 
     recall = commands.add_parser("recall", help="training-free recall for a linearized model: attention sinks, "
                                  "a sparse cache, softmax kept in the layers that matter for retrieval")
@@ -152,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="give softmax back to the K layers with the largest gain on retrieval probes")
     recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
     recall.add_argument("--probe-tokens", type=int, default=2048, help="length of each retrieval probe (default 2048)")
-    _add_output_flags(recall)
-    _add_eval_flags(recall, "--eval", "wiki-eval")
-    _add_common(recall)
+    add_output_flags(recall)
+    add_eval_flags(recall, "--eval", "wiki-eval")
+    add_common(recall)
 
     heal = commands.add_parser("heal", help="distillation from the original model (LoRA, merged) that heals a "
                                "compressed or linearized model")
@@ -165,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     heal.add_argument("--train-corpus", default="wiki-calib", help="training text (default wiki-calib)")
     heal.add_argument("--control", action="store_true",
                       help="also heal the original the same way and evaluate it (the control; ~1.0x by construction)")
-    _add_output_flags(heal)
-    _add_eval_flags(heal, "--eval", "wiki-eval")
-    _add_common(heal)
+    add_output_flags(heal)
+    add_eval_flags(heal, "--eval", "wiki-eval")
+    add_common(heal)
 
     bench = commands.add_parser("bench", help="measured prefill latency, decode speed, cache bytes and memory")
     bench.add_argument("models", nargs="+", help="models to compare (first is the reference for ratios)")
@@ -184,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=positive_int_list, default=(1,),
                        help="--compile: comma-separated batch sizes (default 1)")
     bench.add_argument("--no-floor", action="store_true", help="--compile: skip the overhead-floor model")
-    _add_quantize_flag(bench, QUANTIZE_SCHEMES)
-    _add_common(bench)
+    add_quantize_flag(bench, QUANTIZE_SCHEMES)
+    add_common(bench)
 
     report = commands.add_parser("report", help="report.md + plots from results and bench JSONs in run dirs")
     report.add_argument("run_dirs", nargs="+", type=Path, help="directories holding *.json results (or JSON files)")
@@ -219,30 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _eval_config(args, seq_len: int) -> EvalConfig:
-    if getattr(args, "no_eval", False):
-        return EvalConfig(corpora=())
-    return EvalConfig(corpora=tuple(args.corpora), seq_len=args.eval_seq_len or seq_len,
-                      max_eval_tokens=args.max_eval_tokens, batch_size=args.eval_batch_size)
-
-
-def _show(results: dict, args) -> int:
-    from ..api import write_json
-    from ..eval.table import format_results_table
-
-    for task, metrics in results.get("lm_eval", {}).get("tasks", {}).items():
-        print(f"lm-eval {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None))
-    for key, name in (("passkey", "passkey retrieval"), ("multikey", "multi-key passkey")):
-        if key in results:
-            by_context = ", ".join(f"{n}: {a:.0%}" for n, a in results[key]["by_context"].items())
-            print(f"{name}: {results[key]['accuracy']:.0%} ({by_context})")
-    rows = [results[k] for k in ("original", "before") if k in results]
-    print(format_results_table(rows + [results] + ([results["control"]] if "control" in results else [])))
-    if args.json:
-        write_json(results, args.json)
-    return 0
-
-
 def cmd_fetch(args) -> int:
     from ..data.fetch import fetch
 
@@ -254,7 +195,7 @@ def cmd_fetch(args) -> int:
 def cmd_eval(args) -> int:
     from ..jobs import eval_job
 
-    return _show(eval_job(args.model, _eval_config(args, args.seq_len), tasks=args.tasks, tasks_limit=args.tasks_limit,
+    return show_results(eval_job(args.model, eval_config(args, args.seq_len), tasks=args.tasks, tasks_limit=args.tasks_limit,
                           passkey=args.passkey, passkey_trials=args.passkey_trials,
                           passkey_depths=args.passkey_depths, passkey_keys=args.passkey_keys, dtype=args.dtype,
                           device=args.device, quantize=args.quantize, progress=not args.quiet), args)
@@ -267,19 +208,19 @@ def cmd_compress(args) -> int:
     heal_config = None
     if args.heal_tokens or args.heal_minutes:
         heal_config = HealConfig(tokens=args.heal_tokens, minutes=args.heal_minutes, seq_len=args.seq_len)
-    results = compress_job(args.model, args.out, config, _eval_config(args, args.seq_len), calib=args.calib,
+    results = compress_job(args.model, args.out, config, eval_config(args, args.seq_len), calib=args.calib,
                            calib_samples=args.calib_samples, seq_len=args.seq_len, overwrite=args.overwrite,
                            measure_cost=args.measure_cost, dtype=args.dtype, device=args.device,
                            progress=not args.quiet, heal_config=heal_config, out_of_core=args.out_of_core)
     if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
         return 0
-    return _show(results, args)
+    return show_results(results, args)
 
 
 def cmd_mla(args) -> int:
     from ..jobs import mla_job
 
-    return _show(mla_job(args.model, args.out, config_from_args(MLAConfig, args), _eval_config(args, args.seq_len),
+    return show_results(mla_job(args.model, args.out, config_from_args(MLAConfig, args), eval_config(args, args.seq_len),
                          calib=args.calib, calib_samples=args.calib_samples, seq_len=args.seq_len,
                          overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet), args)
 
@@ -300,12 +241,12 @@ def cmd_heal(args) -> int:
     from ..jobs import heal_job
 
     config = config_from_args(HealConfig, args)
-    results = heal_job(args.model, args.out, config, _eval_config(args, config.seq_len), teacher=args.teacher,
+    results = heal_job(args.model, args.out, config, eval_config(args, config.seq_len), teacher=args.teacher,
                        train_corpus=args.train_corpus, control=args.control, overwrite=args.overwrite,
                        dtype=args.dtype, device=args.device, progress=not args.quiet)
     if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
         return 0
-    return _show(results, args)
+    return show_results(results, args)
 
 
 def cmd_linearize(args) -> int:
@@ -315,21 +256,21 @@ def cmd_linearize(args) -> int:
     config = config_from_args(LinearizeConfig, args, base=preset.get("config"))
     if args.preset and args.max_eval_tokens is None:
         args.max_eval_tokens = preset["eval_max_tokens"]
-    results = linearize_job(args.model, args.out, config, _eval_config(args, config.seq_len), preset=args.preset,
+    results = linearize_job(args.model, args.out, config, eval_config(args, config.seq_len), preset=args.preset,
                             train_corpus=args.train_corpus, work_dir=args.work_dir, eval_original=args.eval_original,
                             overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet)
     if results.get("rank", 0) != 0:  # another process of a torchrun launch: rank 0 reports
         return 0
-    return _show(results, args)
+    return show_results(results, args)
 
 
 def cmd_recall(args) -> int:
     from ..recall_job import recall_job
 
-    return _show(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
+    return show_results(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
                             keep_softmax_top=args.keep_softmax_top, probe_corpus=args.probe_corpus,
                             probe_tokens=args.probe_tokens,
-                            eval_config=_eval_config(args, 512), overwrite=args.overwrite, dtype=args.dtype,
+                            eval_config=eval_config(args, 512), overwrite=args.overwrite, dtype=args.dtype,
                             device=args.device, progress=not args.quiet), args)
 
 
