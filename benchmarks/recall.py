@@ -10,6 +10,7 @@ One table, SmolLM2-135M, every row measured in this run:
     <trained>+kK       K layers given their softmax back, ranked by recall gain on probes hidden in wiki-calib
                        (api.keep_softmax_for_recall, training-free), for each K in --keep
     <trained>+kK+s4+mM both
+    <extra>            a model directory as it is (--extra LABEL=DIR)
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
 --passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each); the multi-key variant (--keys labelled
@@ -44,13 +45,16 @@ def ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+PROBES = (4, 1024)  # retrieval probes of the layer ranking: count, tokens (`retrofitter recall`'s defaults)
+
+
 def kept_layers(directory: str, count: int, tokenizer, out: Path) -> list[int]:
     """The ``count`` layers ranked first by recall gain (computed once per model and count, then read back)."""
     path = out / "rows" / f"keep-{Path(directory).name}-{count}.json"
     if not path.exists():
         model = load(directory)[0]
-        report = keep_softmax_for_recall(model, recall_probes(tokenizer, "wiki-calib", count=8, context_tokens=2048),
-                                         count, progress=True)
+        probes = recall_probes(tokenizer, "wiki-calib", count=PROBES[0], context_tokens=PROBES[1])
+        report = keep_softmax_for_recall(model, probes, count, progress=True)
         path.write_text(json.dumps(report, indent=2))
     return json.loads(path.read_text())["restored_softmax_layers"]
 
@@ -68,7 +72,8 @@ def build(spec: tuple, model_name: str, tokenizer, out: Path):
     model = load(directory)[0]
     if layers:
         restore_softmax_layers(model, layers)
-    set_recall(model, sinks, cache)
+    if sinks is not None:  # None: the directory's own settings
+        set_recall(model, sinks, cache)
     return model
 
 
@@ -76,10 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--trained", action="append", default=[], metavar="LABEL=DIR", help="a trained hybrid")
+    parser.add_argument("--extra", action="append", default=[], metavar="LABEL=DIR",
+                        help="a model directory evaluated as it is (e.g. a `recall` output healed afterwards)")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--sinks-row", action="store_true", help="also a row with the sinks alone")
     parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
-    parser.add_argument("--keep", type=ints, default=(2,), help="softmax layers kept by recall gain (rows +kK)")
+    parser.add_argument("--keep", type=ints, default=(4,), help="softmax layers kept by recall gain (rows +kK)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--multikey", type=ints, default=(4096, 8192))
@@ -109,6 +116,9 @@ def main() -> None:
             rows[f"{name}+k{keep}"] = ("trained", directory, 0, 0, keep)
             rows[f"{name}+k{keep}+s{args.sinks}+m{args.sparse[0]}"] = ("trained", directory, args.sinks,
                                                                       args.sparse[0], keep)
+    for item in args.extra:
+        name, _, directory = item.partition("=")
+        rows[name] = ("trained", directory, None, None, 0)
     if args.only:
         rows = {k: v for k, v in rows.items() if k in args.only.split(",") or k == "original"}
 

@@ -20,7 +20,7 @@ __all__ = ["recall_job"]
 
 
 def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_softmax_top: int = 0,
-               probe_corpus: str = "wiki-calib", probe_tokens: int = 2048, eval_config: EvalConfig = EvalConfig(()),
+               probe_corpus: str = "wiki-calib", probe_tokens: int = 1024, probe_count: int = 4, eval_config: EvalConfig = EvalConfig(()),
                overwrite: bool = False, dtype="float32", device="cpu", progress: bool = True) -> dict:
     """The steps of the module docstring; returns the results record (with ``recall`` settings and, when
     layers were kept, their recall ranking). Every argument is checked before any work."""
@@ -32,12 +32,14 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
                          f"{keep_softmax_top}")
     if keep_softmax_top:
         check_corpus(probe_corpus, "--probe-corpus")
+        if probe_count < 1 or probe_tokens < 64:
+            raise ValueError(f"--probe-count must be >= 1 and --probe-tokens >= 64; got {probe_count}, {probe_tokens}")
     check_outputs(out, overwrite, eval_config, {"MODEL": model_dir}, {})
     with output_lock(out):
         model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
         report = {}
         if keep_softmax_top:
-            probes = recall_probes(tokenizer, probe_corpus, context_tokens=probe_tokens)
+            probes = recall_probes(tokenizer, probe_corpus, count=probe_count, context_tokens=probe_tokens)
             report = keep_softmax_for_recall(model, probes, keep_softmax_top, progress=progress)
         layers = set_recall(model, sinks, sparse_cache)
         info = read_retrofitter_json(model_dir)

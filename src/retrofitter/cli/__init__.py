@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--keep-softmax-top", type=int, default=0, metavar="K",
                         help="give softmax back to the K layers with the largest gain on retrieval probes")
     recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
-    recall.add_argument("--probe-tokens", type=int, default=2048, help="length of each retrieval probe (default 2048)")
+    recall.add_argument("--probe-count", type=int, default=4, help="retrieval probes of the ranking (default 4)")
+    recall.add_argument("--probe-tokens", type=int, default=1024, help="length of each retrieval probe (default 1024)")
     add_output_flags(recall)
     add_eval_flags(recall, "--eval", "wiki-eval")
     add_common(recall)
@@ -269,7 +270,7 @@ def cmd_recall(args) -> int:
 
     return show_results(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
                             keep_softmax_top=args.keep_softmax_top, probe_corpus=args.probe_corpus,
-                            probe_tokens=args.probe_tokens,
+                            probe_tokens=args.probe_tokens, probe_count=args.probe_count,
                             eval_config=eval_config(args, 512), overwrite=args.overwrite, dtype=args.dtype,
                             device=args.device, progress=not args.quiet), args)
 
