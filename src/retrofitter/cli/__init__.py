@@ -19,7 +19,7 @@ from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_
 from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
 from .flags import add_config_flags, config_from_args, fraction_list, name_list, positive_int_list
-from .common import (OneLineParser, add_common, add_eval_flags, add_output_flags, add_quantize_flag, eval_config,
+from .common import (OneLineParser, add_common, add_eval_flags, add_job_flags, add_quantize_flag, eval_config,
                      show_results)
 from .guards import check_json_output, input_paths, quiet_libraries
 
@@ -74,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--out-of-core", action="store_true",
                           help="read the model one decoder layer at a time from its safetensors shards (models larger "
                                "than memory; --allocation uniform; no evaluation: run `retrofitter eval OUT`)")
-    add_output_flags(compress)
-    add_eval_flags(compress, "--eval", "wiki-eval")
-    add_common(compress)
+    add_job_flags(compress)
 
     mla = commands.add_parser("mla", help="Multi-head Latent Attention (DeepSeek layout) by conversion: a small "
                               "latent k/v cache with one shared rotary key, absorbed execution (training-free)")
@@ -86,9 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     mla.add_argument("--calib-samples", type=int, default=MLA_CALIB_SAMPLES,
                      help=f"calibration blocks (default {MLA_CALIB_SAMPLES})")
     mla.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
-    add_output_flags(mla)
-    add_eval_flags(mla, "--eval", "wiki-eval")
-    add_common(mla)
+    add_job_flags(mla)
 
     linearize = commands.add_parser("linearize", help="LoLCATs: hybrid window-softmax + linear attention, "
                                     "attention transfer then LoRA")
@@ -103,9 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     linearize.add_argument("--work-dir", type=Path, default=None,
                            help="block-wise transfer cache (default: next to --out; reused to resume)")
     linearize.add_argument("--eval-original", action="store_true", help="also evaluate the model before linearizing")
-    add_output_flags(linearize)
-    add_eval_flags(linearize, "--eval", "wiki-eval")
-    add_common(linearize)
+    add_job_flags(linearize)
 
     recall = commands.add_parser("recall", help="training-free recall for a linearized model: attention sinks, "
                                  "a sparse cache, softmax kept in the layers that matter for retrieval")
@@ -118,9 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
     recall.add_argument("--probe-count", type=int, default=4, help="retrieval probes of the ranking (default 4)")
     recall.add_argument("--probe-tokens", type=int, default=1024, help="length of each retrieval probe (default 1024)")
-    add_output_flags(recall)
-    add_eval_flags(recall, "--eval", "wiki-eval")
-    add_common(recall)
+    add_job_flags(recall)
 
     heal = commands.add_parser("heal", help="distillation from the original model (LoRA, merged) that heals a "
                                "compressed or linearized model")
@@ -131,9 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     heal.add_argument("--train-corpus", default="wiki-calib", help="training text (default wiki-calib)")
     heal.add_argument("--control", action="store_true",
                       help="also heal the original the same way and evaluate it (the control; ~1.0x by construction)")
-    add_output_flags(heal)
-    add_eval_flags(heal, "--eval", "wiki-eval")
-    add_common(heal)
+    add_job_flags(heal)
 
     bench = commands.add_parser("bench", help="measured prefill latency, decode speed, cache bytes and memory")
     bench.add_argument("models", nargs="+", help="models to compare (first is the reference for ratios)")

@@ -8,8 +8,8 @@ from pathlib import Path
 from ..config import EvalConfig
 from .flags import name_list
 
-__all__ = ["OneLineParser", "add_common", "add_quantize_flag", "add_eval_flags", "add_output_flags", "eval_config",
-           "show_results"]
+__all__ = ["OneLineParser", "add_common", "add_quantize_flag", "add_eval_flags", "add_output_flags", "add_job_flags",
+           "eval_config", "show_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -47,6 +47,13 @@ def add_output_flags(parser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory (safetensors)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out once the new one is complete")
     parser.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation of the result")
+
+
+def add_job_flags(parser) -> None:
+    """What every command that writes a model takes: --out/--overwrite/--no-eval, the --eval corpora, common flags."""
+    add_output_flags(parser)
+    add_eval_flags(parser, "--eval", "wiki-eval")
+    add_common(parser)
 
 
 def eval_config(args, seq_len: int) -> EvalConfig:
