@@ -45,16 +45,12 @@ def ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-PROBES = (4, 1024)  # retrieval probes of the layer ranking: count, tokens (`retrofitter recall`'s defaults)
-
-
 def kept_layers(directory: str, count: int, tokenizer, out: Path) -> list[int]:
     """The ``count`` layers ranked first by recall gain (computed once per model and count, then read back)."""
     path = out / "rows" / f"keep-{Path(directory).name}-{count}.json"
     if not path.exists():
         model = load(directory)[0]
-        probes = recall_probes(tokenizer, "wiki-calib", count=PROBES[0], context_tokens=PROBES[1])
-        report = keep_softmax_for_recall(model, probes, count, progress=True)
+        report = keep_softmax_for_recall(model, recall_probes(tokenizer), count, progress=True)  # 4 x 1024, wiki-calib
         path.write_text(json.dumps(report, indent=2))
     return json.loads(path.read_text())["restored_softmax_layers"]
 

@@ -271,7 +271,7 @@ def linearize(model: nn.Module, config=None, transfer_blocks: torch.Tensor | Non
                            recall_probes=recall_probes)
 
 
-def recall_probes(tokenizer, corpus: str = "wiki-calib", count: int = 8, context_tokens: int = 2048,
+def recall_probes(tokenizer, corpus: str = "wiki-calib", count: int = 4, context_tokens: int = 1024,
                   seed: int = 1234) -> list:
     """Teacher-forced retrieval probes (``eval.passkey.retrieval_probes``): a pass key hidden in ``corpus``
     text (never the evaluation's filler), ``count`` of about ``context_tokens`` tokens."""

@@ -31,7 +31,7 @@ from .modules.quantize import quantized_scheme
 
 __all__ = ["save_retrofitted", "save_retrofitted_shards", "replacement_records",
            "load_retrofitted", "read_retrofitter_json", "is_retrofitted_dir", "OutputExistsError", "prepare_output_dir", "check_separate_paths", "check_writable", "output_lock", "check_weight_files", "staged_output",
-           "RETROFITTER_JSON"]
+           "RETROFITTER_JSON", "conversion_metadata"]
 
 RETROFITTER_JSON = "retrofitter.json"
 FORMAT_VERSION = 1
@@ -225,6 +225,14 @@ def staged_output(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def conversion_metadata(path) -> dict:
+    """The metadata a conversion recorded in ``retrofitter.json`` (method, source model, config, ...), without
+    the file's own bookkeeping (format version, replacement records, library versions): what a command that
+    rewrites the directory (heal, recall) carries over."""
+    return {k: v for k, v in read_retrofitter_json(path).items()
+            if k not in ("format_version", "replacements", "versions")}
 
 
 def read_retrofitter_json(path) -> dict:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .api import (compress, compress_out_of_core, convert_to_mla, evaluate, evaluation_blocks, export, heal, linearize,
                   load_model, load_tokenizer, recall_probes, save)
-from .checkpoint import RETROFITTER_JSON, check_separate_paths, is_retrofitted_dir, output_lock, read_retrofitter_json
+from .checkpoint import (RETROFITTER_JSON, check_separate_paths, conversion_metadata, is_retrofitted_dir, output_lock,
+                         read_retrofitter_json)
 from .config import COMPRESS_CALIB_SAMPLES, MLA_CALIB_SAMPLES, CompressConfig, EvalConfig, HealConfig, LinearizeConfig
 from .data.blocks import token_blocks
 from .data.corpora import check_corpus, load_text
@@ -294,11 +295,9 @@ def _linearize(model_name, out: Path, config, eval_config, preset, train_corpus,
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),
                 "preset": preset, "replaced_layers": report["replaced_layers"]}
     if original_name != model_name:  # linearized on top of another conversion
-        base = read_retrofitter_json(model_name)
+        base = conversion_metadata(model_name)
         metadata.update(original_model=original_name, method=f"{base.get('method', 'retrofitted')}+lolcats",
-                        ratio=base.get("ratio"), base_conversion={k: v for k, v in base.items()
-                                                                  if k not in ("format_version", "replacements",
-                                                                               "versions")})
+                        ratio=base.get("ratio"), base_conversion=base)
     t0 = time.perf_counter()
     save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
     if config.transfer_mode == "blockwise":
@@ -384,7 +383,7 @@ def heal_job(model_dir, out, config: HealConfig, eval_config: EvalConfig = NO_EV
                    {"the healing directory": heal_dir(out)})
     rank = torchrun_rank()
     with output_lock(out) if rank == 0 else contextlib.nullcontext():  # under torchrun, rank 0 writes
-        info = read_retrofitter_json(model_dir)
+        info = conversion_metadata(model_dir)
         model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
         check_context(model, {"--seq-len": config.seq_len, **eval_lengths(eval_config)})
         method = info.get("method", "retrofitted")
@@ -392,8 +391,7 @@ def heal_job(model_dir, out, config: HealConfig, eval_config: EvalConfig = NO_EV
                                name=str(model_dir), method=method, ratio=info.get("ratio"), control=control)
         if rank != 0:
             return {"rank": rank, "heal": healing["metadata"]}
-        metadata = {k: v for k, v in info.items() if k not in ("format_version", "replacements", "versions")}
-        metadata["heal"] = healing["metadata"]
+        metadata = {**info, "heal": healing["metadata"]}
         save(healing["model"], out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
         remove_work_dir(healing["work_dir"])
         results = evaluate(healing["model"], tokenizer, eval_config, progress=progress, blocks=healing["eval_blocks"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .api import evaluate, keep_softmax_for_recall, load_model, recall_probes, save, set_recall
-from .checkpoint import is_retrofitted_dir, output_lock, read_retrofitter_json
+from .checkpoint import conversion_metadata, is_retrofitted_dir, output_lock, read_retrofitter_json
 from .config import EvalConfig
 from .data.corpora import check_corpus
 from .preflight import check_outputs
@@ -42,8 +42,7 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
             probes = recall_probes(tokenizer, probe_corpus, count=probe_count, context_tokens=probe_tokens)
             report = keep_softmax_for_recall(model, probes, keep_softmax_top, progress=progress)
         layers = set_recall(model, sinks, sparse_cache)
-        info = read_retrofitter_json(model_dir)
-        metadata = {k: v for k, v in info.items() if k not in ("format_version", "replacements", "versions")}
+        metadata = conversion_metadata(model_dir)
         recall = {"sinks": sinks, "sparse_cache": sparse_cache, "hybrid_layers": layers,
                   "kept_softmax_layers": report.get("restored_softmax_layers", []), "source_dir": str(model_dir)}
         metadata["recall"] = recall

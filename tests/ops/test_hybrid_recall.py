@@ -98,7 +98,7 @@ def test_recall_scores_match_oracle_sums():
             for ri in range(37 - pad):
                 total = 0.0
                 for head in (2 * kv, 2 * kv + 1):
-                    rows = range(max(2, 0) + pad, pad + ri)
+                    rows = range(2 + pad, pad + ri)  # S_{<i}: the non-sink keys before i (sinks = 2)
                     a = torch.stack([phi[row, head, pad + ri] @ phi[row, head, j] for j in rows]) if ri > 2 else None
                     pred = (a @ v[row, kv, list(rows)]) / a.sum() if a is not None else 0.0
                     total += float(((v[row, kv, pad + ri] - pred) ** 2).sum())
@@ -115,7 +115,8 @@ def test_select_top_is_the_pairwise_rank():
         keep = select_top(scores, positions, eligible, size)
         ahead = outranks(scores[..., :, None], positions[..., :, None], scores[..., None, :], positions[..., None, :])
         count = (eligible[..., :, None] & ahead).sum(dim=-2)
-        assert torch.equal(keep, eligible & (count < size))
+        # Bool masks on both sides (scores are small integers, exact in float64): compare them as lists.
+        assert keep.dtype == torch.bool and keep.tolist() == (eligible & (count < size)).tolist()
 
 
 def decode(state, q, k, v, mask, w_q, w_k, theta, start, linear_weight="one"):

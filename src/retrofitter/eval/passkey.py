@@ -35,6 +35,13 @@ QUESTION = "What is the pass key? The pass key is"
 LABELS = ("red", "blue", "green", "yellow", "white", "black", "silver", "golden")
 
 
+def _filler_repeats(tokenizer, context_tokens: int, fixed_text: str) -> int:
+    """How many ``FILLER`` sentences bring ``fixed_text`` (intro, needles, question) to about ``context_tokens``."""
+    fixed = len(tokenizer.encode(fixed_text, add_special_tokens=False))
+    per_filler = max(1, len(tokenizer.encode(FILLER, add_special_tokens=False)))
+    return max(1, (context_tokens - fixed) // per_filler)
+
+
 def _needle(passkey: str) -> str:
     return f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
 
@@ -52,9 +59,7 @@ def multikey_prompt(tokenizer, context_tokens: int, needles: list[tuple[str, str
     if any(not 0.0 <= depth <= 1.0 for _, _, depth in needles):
         raise ValueError(f"depths must lie in [0, 1], got {[d for _, _, d in needles]}")
     text = "".join(_labelled_needle(label, key) for label, key, _ in needles)
-    fixed = len(tokenizer.encode(INTRO + text + _labelled_question(asked), add_special_tokens=False))
-    per_filler = max(1, len(tokenizer.encode(FILLER, add_special_tokens=False)))
-    repeats = max(1, (context_tokens - fixed) // per_filler)
+    repeats = _filler_repeats(tokenizer, context_tokens, INTRO + text + _labelled_question(asked))
     slots = sorted((round(depth * repeats), index) for index, (_, _, depth) in enumerate(needles))
     parts, done = [INTRO], 0
     for at, index in slots:
@@ -68,9 +73,7 @@ def passkey_prompt(tokenizer, context_tokens: int, depth: float, passkey: str) -
     """The prompt text (≈ ``context_tokens`` tokens) with the needle after ``depth`` of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
-    fixed = len(tokenizer.encode(INTRO + _needle(passkey) + QUESTION, add_special_tokens=False))
-    per_filler = max(1, len(tokenizer.encode(FILLER, add_special_tokens=False)))
-    repeats = max(1, (context_tokens - fixed) // per_filler)
+    repeats = _filler_repeats(tokenizer, context_tokens, INTRO + _needle(passkey) + QUESTION)
     before = round(depth * repeats)
     return INTRO + FILLER * before + _needle(passkey) + FILLER * (repeats - before) + QUESTION
 
