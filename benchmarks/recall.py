@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--multikey", type=ints, default=(4096, 8192))
     parser.add_argument("--keys", type=int, default=2, help="labelled keys of the multi-key variant (SmolLM2-135M "
-                        "itself recalls 2 of them, not 3 or 4)")
+                        "itself recalls 2 of them, not 3)")
     parser.add_argument("--multikey-trials", type=int, default=4)
     parser.add_argument("--contexts", type=ints, default=(4096, 8192))
     parser.add_argument("--decode-tokens", type=int, default=16)

@@ -1,7 +1,7 @@
 """HF cache layer for hybrid (LoLCATs) attention: a constant-size decode state per layer.
 
-``HybridCacheLayer`` holds one layer's ``HybridRecurrentState`` (window ring buffer + S, z; see
-``retrofitter.ops.hybrid_recurrent``) instead of growing key/value tensors. Its size depends on the
+``HybridCacheLayer`` holds one layer's ``HybridRecurrentState`` (window ring buffer + S, z, and the
+sinks and sparse cache when set; see ``retrofitter.ops.hybrid_state``) instead of growing key/value tensors. Its size depends on the
 batch, window and feature sizes only, never on the number of tokens seen. It also counts the key
 columns seen (``get_seq_length``, padding included) so that HF builds masks and positions exactly
 as with a ``DynamicCache``.
