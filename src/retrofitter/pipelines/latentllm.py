@@ -91,6 +91,7 @@ class LatentLLMStrategy:
 
     def __init__(self, config: CompressConfig):
         self.config = config
+        self.options = config  # the latentllm options (joint_qk, ..., latent_attention)
 
     def fit_layer(self, context: LayerContext) -> None:
         layer = _LatentLLMLayer(context)
@@ -98,7 +99,7 @@ class LatentLLMStrategy:
         layer.mlp()
 
     def finish(self, model: nn.Module, targets: list[str]) -> dict:
-        if not (self.config.latent_attention and all(n in targets for n in ("k", "v"))):
+        if not (self.options.latent_attention and all(n in targets for n in ("k", "v"))):
             return {}
         to_latent_attention(model)
         return {"cache_numbers_per_token": latent_cache_numbers_per_token(model)}
@@ -111,6 +112,7 @@ class _LatentLLMLayer:
         self.context = context
         self.adapter, self.layer, self.index = context.adapter, context.layer, context.index
         self.plan, self.config, self.targets = context.plan, context.config, context.targets
+        self.options = context.config  # the latentllm options (joint_qk, ..., latent_attention)
         self.layout = context.adapter.attention_layout(context.model)
         self.extra = context.extra
         self.teacher_target = self.config.statistics == "teacher_target"
@@ -158,10 +160,10 @@ class _LatentLLMLayer:
         if not wanted and "o" not in self.targets:
             return
         statistics = self.statistics("q")
-        qk_joint = self.config.joint_qk and "q" in wanted and "k" in wanted
+        qk_joint = self.options.joint_qk and "q" in wanted and "k" in wanted
         if qk_joint:
             self.joint_qk(statistics)
-        vo_joint = self.config.joint_vo and "v" in wanted and "o" in self.targets
+        vo_joint = self.options.joint_vo and "v" in wanted and "o" in self.targets
         if vo_joint:
             self.joint_vo(statistics)
         for name in wanted:
@@ -179,7 +181,7 @@ class _LatentLLMLayer:
         W_q, W_k = self.target(q, statistics, moment, has_bias), self.target(k, statistics, moment, has_bias)
         solver = JointQKSolver(W_q, W_k, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "q")], self.plan[(self.index, "k")],
-                               iterations=config.qk_iterations, damping=config.damping, name=f"layer {self.index}")
+                               iterations=self.options.qk_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         score_error = solver.score_error(factors.A_q, factors.B_q, factors.A_k, factors.B_k)
         # The same score error of separate rootcov factors at the same ranks: what joint QK improves on.
@@ -201,7 +203,7 @@ class _LatentLLMLayer:
         W_v = self.target(v, statistics, moment, v.bias is not None)
         solver = JointVOSolver(W_v, o.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "v")], self.plan[(self.index, "o")],
-                               iterations=config.vo_iterations, damping=config.damping, name=f"layer {self.index}")
+                               iterations=self.options.vo_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         map_error = solver.map_error(factors.A_v, factors.B_v, factors.B_o, factors.A_o)
         self.extra["vo_map_error"] = map_error
@@ -217,7 +219,7 @@ class _LatentLLMLayer:
         inputs, (down_name,) = self.adapter.linear_groups[-2], self.adapter.linear_groups[-1]
         wanted = [n for n in inputs if n in self.targets]
         if wanted:
-            if (self.config.joint_mlp and self.config.mlp_algorithm == "auxiliary" and down_name in self.targets
+            if (self.options.joint_mlp and self.options.mlp_algorithm == "auxiliary" and down_name in self.targets
                     and len(wanted) == len(inputs) and self._auxiliary(inputs, down_name)):
                 return
             statistics = self.statistics(inputs[0])
@@ -225,7 +227,7 @@ class _LatentLLMLayer:
                 self.local(name, statistics)
         if down_name not in self.targets:
             return
-        if self.config.joint_mlp:
+        if self.options.joint_mlp:
             self.streaming_down(inputs, down_name)
         else:
             self.local(down_name, self.statistics(down_name))
@@ -238,7 +240,7 @@ class _LatentLLMLayer:
         originals = {n: self.context.originals[n] for n in inputs}
         compressed = {n: self.linear(n) for n in inputs}  # already replaced by their local fits
         activation = self.adapter.mlp_activation(self.layer)
-        select = self.config.down_fit == "select"
+        select = self.options.down_fit == "select"
         folds = [DownFitMoments(down.in_features, down.weight.device, keep_target=select)
                  for _ in range(2 if select else 1)]
         mlp_kind = self.adapter.mlp_kind
@@ -275,7 +277,7 @@ class _LatentLLMLayer:
         has_bias = down.bias is not None
         rank, damping = self.plan[(self.index, down_name)], self.config.damping
         fits = {"joint": lambda m: fit_down_to_compressed(down.weight, m.cross, m.hat, rank, damping,
-                                                          anchored=self.config.down_fit != "ridge"),
+                                                          anchored=self.options.down_fit != "ridge"),
                 "local": lambda m: rootcov_svd(down.weight, m.hat, rank, damping)}
         extra = {}
         if select and min(fold.count for fold in folds) > 0:
@@ -329,15 +331,15 @@ class _LatentLLMLayer:
             handle.remove()
         X = torch.cat(rows)
         generator = torch.Generator().manual_seed(self.index)
-        keep = torch.randperm(X.shape[0], generator=generator)[: self.config.mlp_aux_tokens]
+        keep = torch.randperm(X.shape[0], generator=generator)[: self.options.mlp_aux_tokens]
         X = X[keep.to(X.device)].T  # [d, l]
         ranks = [self.plan[(self.index, n)] for n in (*inputs, down_name)]
         weights = [m.weight for m in modules]
         if self.adapter.mlp_kind == "gated":
             result = joint_gated_mlp(*weights, X, *ranks, activation=activation_name,
-                                     iterations=self.config.mlp_iterations, damping=self.config.damping)
+                                     iterations=self.options.mlp_iterations, damping=self.config.damping)
         else:
-            result = joint_mlp_relu(*weights, X, *ranks, iterations=self.config.mlp_iterations,
+            result = joint_mlp_relu(*weights, X, *ranks, iterations=self.options.mlp_iterations,
                                     damping=self.config.damping)
         roles = ("gate", "up", "down") if self.adapter.mlp_kind == "gated" else ("up", "down")
         for role, name, module in zip(roles, (*inputs, down_name), modules):
