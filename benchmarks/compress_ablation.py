@@ -97,8 +97,8 @@ def run_one(args, label, settings, calibration, eval_blocks, extra="") -> dict:
     model, _ = load_model(args.model)
     base = account(model)
     start = time.perf_counter()
-    model, report = compress(model, CompressConfig(ratio=settings.pop("ratio"), batch_size=args.batch_size,
-                                                         **settings), calibration, progress=False)
+    config = CompressConfig.from_flat(dict(settings, batch_size=args.batch_size))  # flat: common + method options
+    model, report = compress(model, config, calibration, progress=False)
     seconds = time.perf_counter() - start
     ppl = perplexities(model, eval_blocks, args.batch_size)
     acc = account(model)

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     blocks = eval_blocks(tokenizer, [args.eval_corpus], args.seq_len, args.eval_tokens)
     models = [("original", original, tokenizer)]
     for label, overrides in VARIANTS.items():
-        config = CompressConfig(ratio=args.ratio, latency_tokens=args.prefill_len, **overrides)
+        config = CompressConfig.from_flat(dict(ratio=args.ratio, latency_tokens=args.prefill_len, **overrides))
         student, _ = load_model(args.model)
         t0 = time.perf_counter()
         student, report = compress(student, config, calibration)

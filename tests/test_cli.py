@@ -153,7 +153,7 @@ def test_compress_with_global_fisher_allocation_and_latentllm_switches(workspace
     data = json.loads((tmp / "g.json").read_text())
     config = data["settings"]["compress_config"]
     assert config["allocation"] == "global" and config["allocation_weighting"] == "fisher"
-    assert config["joint_mlp"] is False and config["qk_iterations"] == 2
+    assert config["options"]["joint_mlp"] is False and config["options"]["qk_iterations"] == 2
     assert data["reduction"]["linear"] >= 0.29
     ranks = {layer["matrices"][name]["rank"] for layer in data["layers"] for name in layer["matrices"]}
     assert len(ranks) > 2  # globally allocated, not one rank per shape

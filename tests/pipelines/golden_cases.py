@@ -47,7 +47,7 @@ def run_case(name: str, compress) -> dict[str, torch.Tensor]:
 
     family, fields = CASES[name]
     model = strong_tiny(family)
-    compress(model, CompressConfig(batch_size=4, **fields), calibration_tokens())
+    compress(model, CompressConfig.from_flat(dict(batch_size=4, **fields)), calibration_tokens())
     return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from retrofitter.adapters import adapter_for
-from retrofitter.config import ALLOCATION_WEIGHTINGS, CompressConfig
+from retrofitter.config import ALLOCATION_WEIGHTINGS, CompressConfig, LatentLLMOptions
 from retrofitter.linalg.ranks import factor_param_count
 from retrofitter.pipelines.allocation import WEIGHTINGS, RankItem, allocate_ranks, output_gradient_importance
 from retrofitter.pipelines.compress import compress_model
@@ -210,12 +210,14 @@ def test_kv_ratio_bounds_the_latent_cache_of_a_compressed_model():
     layers = len(adapter_for(model).decoder_layers(model))
     full = 2 * layout.n_kv_heads * layout.head_dim * layers
     ids = torch.randint(3, 90, (8, 32), generator=torch.Generator().manual_seed(1))
-    config = CompressConfig(method="latentllm", ratio=0.3, kv_ratio=0.5, allocation_weighting="relative", batch_size=4)
+    config = CompressConfig.from_flat(dict(method="latentllm", ratio=0.3, kv_ratio=0.5, allocation_weighting="relative", batch_size=4))
     model, report = compress_model(model, config, ids, progress=False)
     assert report["cache_numbers_per_token"] <= 0.5 * full
     assert report["allocation"]["kv_used_numbers"] == report["cache_numbers_per_token"]
     assert report["allocation"]["allocation_used"] <= report["allocation"]["allocation_budget"]
     with pytest.raises(ValueError, match="--allocation global"):
-        CompressConfig(method="latentllm", ratio=0.3, kv_ratio=0.5, allocation="uniform")
-    with pytest.raises(ValueError, match="latent k/v cache of --method latentllm"):
-        CompressConfig(method="asvd-rootcov", ratio=0.3, kv_ratio=0.5)
+        CompressConfig.from_flat(dict(method="latentllm", ratio=0.3, kv_ratio=0.5, allocation="uniform"))
+    with pytest.raises(ValueError, match="--targets must include k and v"):  # at construction, before any pass
+        CompressConfig(method="latentllm", targets=("q", "k", "o"), options=LatentLLMOptions(kv_ratio=0.5))
+    with pytest.raises(ValueError, match="is an option of --method latentllm, not of asvd-rootcov"):
+        CompressConfig.from_flat(dict(method="asvd-rootcov", ratio=0.3, kv_ratio=0.5))

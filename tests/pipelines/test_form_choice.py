@@ -63,7 +63,7 @@ def test_fastest_forms_give_the_outputs_of_the_fitted_forms(monkeypatch):
     base = CompressConfig(ratio=0.3, junction=False, batch_size=4)
     fitted, base_report = compress_model(build_tiny("llama", dtype=torch.float64), base, ids, progress=False)
     chosen, report = compress_model(build_tiny("llama", dtype=torch.float64),
-                                    CompressConfig(ratio=0.3, junction=False, batch_size=4, factor_forms="fastest"),
+                                    CompressConfig.from_flat(dict(ratio=0.3, junction=False, batch_size=4, factor_forms="fastest")),
                                     ids, progress=False)
     torch.testing.assert_close(_logits(chosen, ids), _logits(fitted, ids), rtol=1e-9, atol=1e-9)
     forms = {key: factor_form(m) for key, m in _modules(chosen).items()}
@@ -79,7 +79,7 @@ def test_fastest_with_a_junction_plan_keeps_the_junction(monkeypatch):
     """Under a parameter budget priced with junctions, plain (r² more parameters) is not allowed."""
     monkeypatch.setattr(form_choice, "measure_timings", synthetic_table(plain_faster_in=32))
     ids = calibration()
-    model, report = compress_model(build_tiny("llama"), CompressConfig(ratio=0.3, factor_forms="fastest"), ids,
+    model, report = compress_model(build_tiny("llama"), CompressConfig.from_flat(dict(ratio=0.3, factor_forms="fastest")), ids,
                                    progress=False)
     assert all(factor_form(m) == "junction" for m in _modules(model).values())
     default, default_report = compress_model(build_tiny("llama"), CompressConfig(ratio=0.3), ids, progress=False)
@@ -92,7 +92,7 @@ def test_fastest_with_a_junction_plan_keeps_the_junction(monkeypatch):
 def test_latency_plan_keeps_slow_factored_matrices_dense_within_the_time_budget(monkeypatch):
     monkeypatch.setattr(form_choice, "measure_timings", synthetic_table())
     ids = calibration()
-    config = CompressConfig(ratio=0.3, budget="latency", factor_forms="fastest", batch_size=4)
+    config = CompressConfig.from_flat(dict(ratio=0.3, budget="latency", factor_forms="fastest", batch_size=4))
     original = build_tiny("llama")
     originals = {key: m.weight.detach().clone() for key, m in _modules(original).items()}
     model, report = compress_model(original, config, ids, progress=False)
@@ -119,7 +119,7 @@ def test_latency_plan_keeps_slow_factored_matrices_dense_within_the_time_budget(
 def test_latency_run_resumes_with_its_forms(monkeypatch, tmp_path):
     monkeypatch.setattr(form_choice, "measure_timings", synthetic_table(plain_faster_in=48))
     ids = calibration()
-    config = CompressConfig(ratio=0.3, budget="latency", factor_forms="fastest", batch_size=4)
+    config = CompressConfig.from_flat(dict(ratio=0.3, budget="latency", factor_forms="fastest", batch_size=4))
     full, _ = compress_model(build_tiny("llama"), config, ids, progress=False)
     from retrofitter.pipelines.resume import RunDirectory
 
@@ -158,11 +158,11 @@ def test_allocate_time_meets_the_budget_and_prefers_dense_when_faster():
 
 def test_config_refuses_latency_without_global_allocation_and_latentllm():
     with pytest.raises(ValueError, match="allocation global"):
-        CompressConfig(budget="latency", allocation="uniform")
-    with pytest.raises(ValueError, match="local methods"):
-        CompressConfig(method="latentllm", factor_forms="fastest")
+        CompressConfig.from_flat(dict(budget="latency", allocation="uniform"))
+    with pytest.raises(ValueError, match="is an option of --method svd, asvd-hessian"):
+        CompressConfig.from_flat(dict(method="latentllm", factor_forms="fastest"))
     with pytest.raises(ValueError, match="budget must be"):
-        CompressConfig(budget="time")
+        CompressConfig.from_flat(dict(budget="time"))
 
 
 def test_with_form_keeps_outputs_float64():

@@ -55,9 +55,9 @@ def test_joint_mlp_streaming_beats_local_down(family):
     reference = strong_tiny(family)(tokens).logits
     errors = {}
     for joint in (False, True):
-        config = CompressConfig(method="latentllm", ratio=0.5, joint_qk=False, joint_mlp=joint, batch_size=4,
+        config = CompressConfig.from_flat(dict(method="latentllm", ratio=0.5, joint_qk=False, joint_mlp=joint, batch_size=4,
                                 targets=adapter_for(strong_tiny(family)).linear_groups[-2]
-                                + adapter_for(strong_tiny(family)).linear_groups[-1])
+                                + adapter_for(strong_tiny(family)).linear_groups[-1]))
         model, _ = compress_model(strong_tiny(family), config, tokens, progress=False)
         errors[joint] = loss(model, tokens, reference)
     assert errors[True] < errors[False]
@@ -72,7 +72,7 @@ def test_select_down_fit_takes_the_held_out_winner_refitted_on_all_batches(famil
     models = {}
     for name, part in {"select": dict(down_fit="select"), "joint": dict(down_fit="anchored"),
                        "local": dict(joint_mlp=False)}.items():
-        models[name] = compress_model(strong_tiny(family), CompressConfig(**base, **part), tokens, progress=False)
+        models[name] = compress_model(strong_tiny(family), CompressConfig.from_flat(dict(**base, **part)), tokens, progress=False)
     (selected, report), adapter = models["select"], adapter_for(models["select"][0])
     kinds = set()
     for index, layer_report in enumerate(report["layers"]):
@@ -95,8 +95,8 @@ def test_select_down_fit_takes_the_held_out_winner_refitted_on_all_batches(famil
 def test_switches_run_and_stay_close(part):
     tokens = calibration()
     reference = strong_tiny("llama")(tokens).logits
-    model, report = compress_model(strong_tiny("llama"), CompressConfig(method="latentllm", ratio=0.3, batch_size=4,
-                                                                        **part), tokens, progress=False)
+    model, report = compress_model(strong_tiny("llama"), CompressConfig.from_flat(dict(method="latentllm", ratio=0.3, batch_size=4,
+                                                                        **part)), tokens, progress=False)
     assert loss(model, tokens, reference) < reference.pow(2).mean()
     attention_type = type(adapter_for(model).attention(adapter_for(model).decoder_layers(model)[0]))
     assert (attention_type is LatentAttention) == part.get("latent_attention", True)
@@ -115,7 +115,7 @@ def test_save_load_round_trip_identical_logits(family, tmp_path):
 
 def test_checkpoint_resume_gives_same_model(tmp_path):
     tokens = calibration(4, 16)
-    config = CompressConfig(method="latentllm", ratio=0.3, batch_size=4, latent_attention=False)
+    config = CompressConfig.from_flat(dict(method="latentllm", ratio=0.3, batch_size=4, latent_attention=False))
     straight, _ = compress_model(strong_tiny("llama"), config, tokens, progress=False)
     # simulate an interrupted run: finish it with a checkpoint dir, then a second run restores every layer
     checkpoint = tmp_path / "ckpt"
@@ -129,8 +129,8 @@ def test_teacher_target_joint_fits_equal_the_plain_ones_where_both_streams_agree
     fit's; later layers are corrected towards the original's outputs."""
     tokens = calibration()
     config = dict(method="latentllm", ratio=0.3, batch_size=4, allocation="uniform", latent_attention=False)
-    plain, _ = compress_model(strong_tiny(family), CompressConfig(**config), tokens, progress=False)
-    target, report = compress_model(strong_tiny(family), CompressConfig(statistics="teacher_target", **config),
+    plain, _ = compress_model(strong_tiny(family), CompressConfig.from_flat(dict(**config)), tokens, progress=False)
+    target, report = compress_model(strong_tiny(family), CompressConfig.from_flat(dict(statistics="teacher_target", **config)),
                                     tokens, progress=False)
     adapter = adapter_for(plain)
     for name in ("q", "k", "v"):
@@ -150,8 +150,8 @@ def test_teacher_target_down_fit_is_the_anchored_fit_of_the_teachers_intermediat
     (its layer 0 is final once fitted), collected here by hooks and fitted in float64. Plain factors: the
     junction form reorders the MLP's intermediate units."""
     tokens = calibration()
-    config = CompressConfig(method="latentllm", ratio=0.3, batch_size=4, statistics="teacher_target",
-                            latent_attention=False, junction=False)
+    config = CompressConfig.from_flat(dict(method="latentllm", ratio=0.3, batch_size=4, statistics="teacher_target",
+                            latent_attention=False, junction=False))
     original = strong_tiny("llama")
     model, report = compress_model(strong_tiny("llama"), config, tokens, progress=False)
     adapter = adapter_for(model)
@@ -192,4 +192,4 @@ def test_teacher_target_brings_latentllm_closer_to_the_original(family):
 
 def test_teacher_target_refuses_the_auxiliary_mlp():
     with pytest.raises(ValueError, match="--mlp-algorithm streaming"):
-        CompressConfig(method="latentllm", statistics="teacher_target", mlp_algorithm="auxiliary")
+        CompressConfig.from_flat(dict(method="latentllm", statistics="teacher_target", mlp_algorithm="auxiliary"))

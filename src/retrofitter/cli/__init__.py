@@ -18,7 +18,8 @@ from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_
                       MLA_CALIB_SAMPLES, CompressConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLAConfig
 from ..errors import RetrofitterError
-from .flags import add_config_flags, config_from_args, fraction_list, name_list, positive_int_list
+from .flags import (add_config_flags, compress_config_from_args, config_from_args, fraction_list, method_options, name_list,
+                    positive_int_list)
 from .common import (OneLineParser, add_common, add_eval_flags, add_job_flags, add_quantize_flag, eval_config,
                      show_results)
 from .guards import check_json_output, input_paths, quiet_libraries
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     compress = commands.add_parser("compress", help="LatentLLM-style training-free low-rank compression")
     compress.add_argument("model")
-    add_config_flags(compress, CompressConfig, required=("ratio",))
+    add_config_flags(compress, CompressConfig, required=("ratio",), skip=("options",))
+    for options, methods in method_options().items():  # each method's own flags, in a group of their own
+        add_config_flags(compress.add_argument_group(f"options of --method {', '.join(methods)}"), options)
     compress.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
     compress.add_argument("--calib-samples", type=int, default=COMPRESS_CALIB_SAMPLES,
                           help=f"calibration blocks (default {COMPRESS_CALIB_SAMPLES})")
@@ -195,7 +198,7 @@ def cmd_eval(args) -> int:
 def cmd_compress(args) -> int:
     from ..jobs import compress_job
 
-    config = config_from_args(CompressConfig, args)
+    config = compress_config_from_args(args)
     heal_config = None
     if args.heal_tokens or args.heal_minutes:
         heal_config = HealConfig(tokens=args.heal_tokens, minutes=args.heal_minutes, seq_len=args.seq_len)

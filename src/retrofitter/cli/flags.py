@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-__all__ = ["name_list", "int_list", "positive_int_list", "fraction_list", "add_config_flags", "config_from_args"]
+from ..config import COMPRESS_METHODS, CompressConfig
+
+__all__ = ["name_list", "int_list", "positive_int_list", "fraction_list", "add_config_flags", "config_from_args",
+           "method_options", "compress_config_from_args"]
 
 
 def name_list(text: str) -> tuple[str, ...]:
@@ -84,3 +87,21 @@ def config_from_args(config_class, args, base: dict | None = None):
     names = {f.name for f in dataclasses.fields(config_class)}
     given = {name: value for name, value in vars(args).items() if name in names and value is not None}
     return config_class(**{**(base or {}), **given})
+
+
+def method_options() -> dict[type, list[str]]:
+    """Each compression method options class (config/methods.py) -> the method names it serves."""
+    grouped: dict[type, list[str]] = {}
+    for name, spec in COMPRESS_METHODS.items():
+        grouped.setdefault(spec.options, []).append(name)
+    return grouped
+
+
+def compress_config_from_args(args) -> CompressConfig:
+    """The ``CompressConfig`` of the compress flags given: common flags, and the flags of ``--method``'s own
+    options; a flag of another method's options is refused by name (``CompressConfig.from_flat``)."""
+    names = {f.name for f in dataclasses.fields(CompressConfig)} - {"options"}
+    for options in method_options():
+        names |= {f.name for f in dataclasses.fields(options)}
+    given = {name: value for name, value in vars(args).items() if name in names and value is not None}
+    return CompressConfig.from_flat(given, other_defaults_ok=False)

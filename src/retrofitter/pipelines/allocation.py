@@ -162,7 +162,7 @@ def allocate_with_kv_budget(items: dict, budget: float, config: CompressConfig, 
     if not kv_keys:
         raise ValueError("--kv-ratio budgets the latent k/v cache: k and v must be among the compressed targets")
     full = sum(items[key].d_out for key in kv_keys)  # n_kv · d_h per layer, for k and for v
-    kv_budget = math.floor(config.kv_ratio * full)
+    kv_budget = math.floor(config.options.kv_ratio * full)
     unit = float(torch.tensor([_step_cost(item, 1, config.junction) for item in items.values()]).median())
     best = None
     for multiple in KV_PRICE_MULTIPLES:
@@ -372,14 +372,14 @@ def plan_from_items(items: dict, config: CompressConfig, scale: float = 1.0, imp
     if config.allocation_min_keep > 0:
         min_ranks = {key: rank_for_keep_fraction(item.d_in, item.d_out, config.allocation_min_keep, config.junction)
                      for key, item in items.items()}
-    if config.budget == "latency":
+    if config.options.budget == "latency":
         if forms is None:
             raise ValueError("--budget latency needs the cost model of the factor forms (pipelines/form_choice.py)")
         gains = {key: WEIGHTINGS[config.allocation_weighting](item, scale).to(torch.float64).tolist()
                  for key, item in items.items()}
         return latency_plan(items, config, forms, gains, min_ranks)
     kv_report = {}
-    if config.kv_ratio is not None:
+    if config.options.kv_ratio is not None:
         plan, kv_report = allocate_with_kv_budget(items, budget, config, min_ranks, scale)
     else:
         plan = allocate_ranks(items, budget, config.junction, config.allocation_weighting, min_ranks, scale)

@@ -1,6 +1,6 @@
 """``compress``: the sequential loop (pipelines/sequential.py) with a rank plan and a per-layer strategy.
 
-    strategy = STRATEGIES[strategy_name(config)](...)    # local SVD family or LatentLLM
+    strategy = STRATEGIES[type(config.options)](config, svd_cache)   # local SVD family or LatentLLM
     planner  = allocation.make_planner(...)              # uniform or global ranks
     run_sequential(model, config, strategy, planner, calibration=...)
 
@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
-from ..config import CompressConfig
+from ..config import CompressConfig, LatentLLMOptions, LocalSVDOptions
 from .allocation import RankItem, make_planner, output_gradient_importance, plan_from_items
 from .calibration import capture_stream, collect_input_moments
 from .distributed import SINGLE_PROCESS, DataParallel
@@ -30,19 +30,24 @@ from .local_svd import LocalSVDStrategy
 from .moment_spill import MomentSpill
 from .sequential import CalibrationError, run_sequential, target_names
 
-__all__ = ["STRATEGIES", "CalibrationError", "strategy_name", "compress_model", "collect_teacher_moments",
+__all__ = ["STRATEGIES", "CalibrationError", "strategy_for", "compress_model", "collect_teacher_moments",
            "compress_with_moments", "weighted_spectra_from_cache", "teacher_global_plan", "reuses_plan_statistics"]
 
-# strategy name -> factory (config, svd_cache) -> LayerStrategy
+# the method's options class (config/methods.py) -> factory (config, svd_cache) -> LayerStrategy
 STRATEGIES = {
-    "local": lambda config, svd_cache: LocalSVDStrategy(svd_cache),
-    "latentllm": lambda config, svd_cache: LatentLLMStrategy(config),
+    LocalSVDOptions: lambda config, svd_cache: LocalSVDStrategy(svd_cache),
+    LatentLLMOptions: lambda config, svd_cache: LatentLLMStrategy(config),
 }
 
 
-def strategy_name(config: CompressConfig) -> str:
-    """``latentllm`` for the LatentLLM method, ``local`` for the svd / asvd-* / svd-llm family."""
-    return "latentllm" if config.method == "latentllm" else "local"
+def strategy_for(config: CompressConfig, svd_cache: dict | None = None):
+    """The per-layer strategy of ``config.method`` (a ``sequential.LayerStrategy``), by its options class."""
+    return STRATEGIES[type(config.options)](config, svd_cache)
+
+
+def is_local(config: CompressConfig) -> bool:
+    """Whether the method fits every projection on its own (svd / asvd-* / svd-llm: ``LocalSVDOptions``)."""
+    return isinstance(config.options, LocalSVDOptions)
 
 
 def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.Tensor, progress: bool = True,
@@ -69,7 +74,7 @@ def compress_model(model: nn.Module, config: CompressConfig, calibration: torch.
                             device=next(model.parameters()).device)
     # with the spill, the fits truncate the weighted SVDs the plan computed for its spectra (rootcov)
     strategy = (LocalSVDStrategy(known_svds=spill.weighted_svds) if spill is not None
-                else STRATEGIES[strategy_name(config)](config, None))
+                else strategy_for(config))
     try:
         planner = make_planner(model, adapter, config, targets, calibration, parallel, forms,
                                keep_moments=None if spill is None else spill.put)
@@ -91,7 +96,7 @@ def reuses_plan_statistics(config: CompressConfig, parallel: DataParallel = SING
     """Whether the fits read the global plan's statistics (pipelines/moment_spill.py) instead of a second pass:
     teacher statistics (the plan's pass sees exactly the fits' inputs), a local method, in one process with
     the model in memory and the parameter budget's factor forms."""
-    return (strategy_name(config) == "local" and config.statistics == "teacher" and config.allocation == "global"
+    return (is_local(config) and config.statistics == "teacher" and config.allocation == "global"
             and not config.refit_within_layer and not parallel.active and offload is None and forms is None)
 
 
@@ -125,7 +130,7 @@ def compress_with_moments(model: nn.Module, config: CompressConfig, moments: dic
     e.g. a global one from :func:`teacher_global_plan`. Precomputed statistics are one pass of the
     original model, so ``refit_within_layer`` does not apply.
     """
-    if strategy_name(config) != "local":
+    if not is_local(config):
         raise ValueError(f"method {config.method!r} needs the calibration stream; precomputed moments serve the "
                          f"local methods only")
     if needs_form_choice(config):

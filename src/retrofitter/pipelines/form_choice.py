@@ -33,7 +33,7 @@ __all__ = ["FormChoice", "form_choice_for", "needs_form_choice", "forms_summary"
 
 def needs_form_choice(config) -> bool:
     """True when the run needs the cost model (``--factor-forms fastest`` or ``--budget latency``)."""
-    return config.factor_forms == "fastest" or config.budget == "latency"
+    return config.options.factor_forms == "fastest" or config.options.budget == "latency"
 
 
 @dataclass
@@ -48,9 +48,9 @@ class FormChoice:
     @classmethod
     def from_config(cls, config, cost_model: FormCostModel, lead_names=()) -> "FormChoice":
         configured = "junction" if config.junction else "plain"
-        if config.factor_forms == "junction":
+        if config.options.factor_forms == "junction":
             forms = (configured,)
-        elif config.budget == "latency" or configured == "plain":
+        elif config.options.budget == "latency" or configured == "plain":
             forms = ("junction", "plain")  # junction first: it stores fewer parameters, so it wins ties
         else:
             forms = ("junction",)  # plain would store r² more parameters than the plan priced
@@ -102,7 +102,7 @@ def form_choice_for(model: nn.Module, adapter, config, targets: list[str], progr
     shapes = {(name in leads, m.in_features, m.out_features) for name, m in linears}
     requests = shape_requests([s[1:] for s in shapes if not s[0]], [s[1:] for s in shapes if s[0]])
     weight = linears[0][1].weight
-    cost_model = measure_timings(requests, config.latency_tokens, weight.dtype, weight.device, progress=progress)
+    cost_model = measure_timings(requests, config.options.latency_tokens, weight.dtype, weight.device, progress=progress)
     return FormChoice.from_config(config, cost_model, leads)
 
 

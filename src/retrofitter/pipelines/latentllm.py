@@ -91,7 +91,7 @@ class LatentLLMStrategy:
 
     def __init__(self, config: CompressConfig):
         self.config = config
-        self.options = config  # the latentllm options (joint_qk, ..., latent_attention)
+        self.options = config.options  # LatentLLMOptions (config/methods.py)
 
     def fit_layer(self, context: LayerContext) -> None:
         layer = _LatentLLMLayer(context)
@@ -112,7 +112,7 @@ class _LatentLLMLayer:
         self.context = context
         self.adapter, self.layer, self.index = context.adapter, context.layer, context.index
         self.plan, self.config, self.targets = context.plan, context.config, context.targets
-        self.options = context.config  # the latentllm options (joint_qk, ..., latent_attention)
+        self.options = context.config.options  # LatentLLMOptions (config/methods.py)
         self.layout = context.adapter.attention_layout(context.model)
         self.extra = context.extra
         self.teacher_target = self.config.statistics == "teacher_target"

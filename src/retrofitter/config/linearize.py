@@ -1,0 +1,164 @@
+"""``LinearizeConfig`` (LoLCATs, design.md §4) and its named presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import SHARDING_MODES, JsonRoundTrip, option
+
+__all__ = ["LinearizeConfig", "LINEARIZE_PRESETS", "LORA_LOSSES"]
+
+# LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
+LORA_LOSSES = ("kl", "next_token")
+
+
+@dataclass(frozen=True)
+class LinearizeConfig(JsonRoundTrip):
+    """Settings of ``retrofitter.linearize`` (LoLCATs, design.md §4).
+
+    Hybrid layer: ``feature_map`` (hedgehog, t2r, elu), ``feature_dim`` (projection width; hedgehog
+      gives 2x features), ``window`` (sliding width or terraced tile), ``window_kind`` (sliding,
+      terraced), ``linear_weight`` (``one``, ``one_minus_gamma`` or ``zero``), ``mix_init`` (theta, gamma = sigmoid);
+      ``sinks`` and ``sparse_cache``: what the exact part keeps beyond the window (ops/hybrid_common.py).
+    Stage 1 (attention transfer): ``transfer_tokens`` training tokens in blocks of ``seq_len``,
+      ``transfer_lr``, ``transfer_epochs``; ``transfer_mode`` ``joint`` (teacher forward of the whole
+      model per batch) or ``blockwise`` (teacher inputs of each layer cached to disk once, layers
+      trained one by one, resumable).
+    Stage 2 (LoRA, the healing stage of pipelines/heal.py): ``lora_tokens``, ``lora_lr``, ``lora_rank``,
+      ``lora_alpha``; ``lora_loss`` ``kl`` (default: distillation from the original model, which keeps
+      the stage from adapting the model to the training text) or ``next_token`` (the LoLCATs paper's);
+      merged into the weights afterwards. 0 tokens skips a stage.
+      ``gradient_checkpointing`` (default on): each decoder layer is recomputed in the backward pass,
+      so activation memory is one layer's instead of all layers' (the hybrid layer keeps about 350 MB
+      of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
+    ``keep_softmax_layers``: layer indices left as softmax attention; ``keep_softmax_top`` K: after stage 1,
+      K hybrid layers get their softmax attention back (needs stage 1), ranked by ``keep_softmax_by``:
+      ``mse`` the largest attention-transfer MSE (measured on the probe blocks), ``recall`` the largest
+      gain in retrieval-probe answer likelihood (``pipelines.recall_layers``).
+    """
+
+    feature_map: str = option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
+    feature_dim: int = option(64, "feature-map projection width (hedgehog gives 2x features)")
+    window: int = option(64, "softmax window: sliding width or terraced tile")
+    window_kind: str = option("terraced", "softmax window kind (ops/hybrid_common.py WINDOW_KINDS)")
+    linear_weight: str = option("one", "weight of the linear terms: one, one_minus_gamma or zero (no linear part)")
+    sinks: int = option(0, "attention sinks: the first S tokens are always attended exactly (0: none)")
+    sparse_cache: int = option(0, "sparse cache (LoLA): per layer and kv head, the M keys the linear state recalls "
+                                  "worst are attended exactly (0: none)")
+    mix_init: float = option(-2.2, "initial theta of the mixing weight gamma = sigmoid(theta)")
+    transfer_tokens: int = option(200_000, "stage 1 (attention transfer) training tokens; 0 skips it")
+    lora_tokens: int = option(100_000, "stage 2 (LoRA) training tokens; 0 skips it")
+    seq_len: int = option(512, "training block length")
+    batch_size: int = option(1, "training batch size")
+    transfer_lr: float = option(1e-2, "stage 1 learning rate")
+    transfer_epochs: int = option(1, "stage 1 epochs")
+    transfer_mode: str = option("joint", "stage 1: joint (teacher forward of the whole model per batch) or "
+                                 "blockwise (teacher inputs cached per layer, resumable)",
+                                 choices=("joint", "blockwise"))
+    lora_lr: float = option(1e-4, "stage 2 learning rate")
+    lora_rank: int = option(8, "stage 2 LoRA rank")
+    lora_alpha: int = option(16, "stage 2 LoRA alpha")
+    lora_dropout: float = option(0.0, "stage 2 LoRA dropout (must be 0: the LoRA factors are merged per tensor)")
+    lora_loss: str = option("kl", "stage 2 objective: kl (distillation from the original model) or next_token",
+                             choices=LORA_LOSSES)
+    grad_clip: float = option(1.0, "gradient-norm clip of both stages (0: none)")
+    gradient_checkpointing: bool = option(True, "recompute each decoder layer in the LoRA backward (memory of "
+                                           "one layer's activations instead of all, ~30 %% more time)")
+    keep_softmax_layers: tuple[int, ...] = option((), "comma-separated layer indices that keep softmax attention")
+    keep_softmax_top: int = option(0, "after stage 1, put softmax attention back in K hybrid layers chosen by "
+                                    "--keep-softmax-by (0: none)")
+    keep_softmax_by: str = option("mse", "how --keep-softmax-top ranks layers: mse (largest attention-transfer error) "
+                                  "or recall (largest gain in the answer log-likelihood of retrieval probes hidden in "
+                                  "the training text; pipelines/recall_layers.py)", choices=("mse", "recall"))
+    seed: int = option(0, "random seed")
+    lora_sharding: str = option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
+                                 choices=SHARDING_MODES)
+
+    def __post_init__(self):
+        self._check_finite()
+        if self.lora_sharding not in SHARDING_MODES:
+            raise ValueError(f"lora_sharding must be one of {', '.join(SHARDING_MODES)}, got {self.lora_sharding!r}")
+        # feature_map, window_kind and linear_weight name registries of modules/ and ops/: checked by
+        # pipelines.linearize.check_linearize_config (config sits below them and imports neither)
+        if self.transfer_mode not in ("joint", "blockwise"):
+            raise ValueError(f"unknown transfer_mode {self.transfer_mode!r}; choose one of ['blockwise', 'joint']")
+        for name in ("feature_dim", "window", "seq_len", "batch_size", "lora_rank", "transfer_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("transfer_tokens", "lora_tokens", "lora_dropout", "grad_clip", "sinks", "sparse_cache"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (next-token loss), got {self.seq_len}")
+        if self.lora_loss not in LORA_LOSSES:
+            raise ValueError(f"lora_loss must be one of {', '.join(LORA_LOSSES)}, got {self.lora_loss!r}")
+        if self.lora_dropout:
+            raise ValueError("lora_dropout is not supported: stage 2 adapts weight tensors (LoRA merged per tensor), "
+                             "where input dropout has no place; use 0")
+        if self.keep_softmax_top < 0:
+            raise ValueError(f"keep_softmax_top must be >= 0, got {self.keep_softmax_top}")
+        if self.keep_softmax_top and not self.transfer_tokens:
+            raise ValueError("keep_softmax_top ranks layers by their attention-transfer error: it needs stage 1 "
+                             "(transfer_tokens > 0)")
+        if self.keep_softmax_by not in ("mse", "recall"):
+            raise ValueError(f"keep_softmax_by must be mse or recall, got {self.keep_softmax_by!r}")
+        if any(int(i) < 0 for i in self.keep_softmax_layers):
+            raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
+
+    def hybrid_settings(self) -> dict:
+        """Keyword arguments of ``HybridLinearAttention`` for this config."""
+        return {"window": self.window, "window_kind": self.window_kind, "feature_map": self.feature_map,
+                "feature_dim": self.feature_dim, "mix_init": self.mix_init, "linear_weight": self.linear_weight,
+                "sinks": self.sinks, "sparse_cache": self.sparse_cache}
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "LinearizeConfig":
+        """A named budget from ``LINEARIZE_PRESETS`` with ``overrides`` applied on top."""
+        if name not in LINEARIZE_PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(LINEARIZE_PRESETS)}")
+        return cls(**{**LINEARIZE_PRESETS[name]["config"], **overrides})
+
+
+# Named budgets: config fields + a description (the CLI adds the data/eval choices it lists).
+LINEARIZE_PRESETS: dict[str, dict] = {
+    "cpu-small": {
+        "description": "SmolLM2-135M on 2 CPU cores in under 30 min (17 min measured): 48k transfer + 24k LoRA tokens of "
+                       "wiki-calib in 2048-token blocks (long blocks are what makes 2048-token contexts work), "
+                       "blockwise transfer, LoRA lr 1e-3 with activation checkpointing",
+        "config": {"transfer_tokens": 49_152, "lora_tokens": 24_576, "seq_len": 2048, "batch_size": 1,
+                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2,
+                   "lora_loss": "next_token"},  # the measured recipe; --lora-loss kl distils from the original
+        "eval_max_tokens": 16_384,
+    },
+    "quality": {
+        "description": "window 128 (a 128-token softmax window), stage 2 distilled from the original (KL), and twice "
+                       "cpu-small's tokens: 96k transfer + 48k LoRA tokens at 2048. SmolLM2-135M measured 1.04x the "
+                       "original's perplexity at seq 512 and 1.15x at 2048 (cpu-small: 1.14x / 1.28x) for a 19.9 MiB "
+                       "state (14.2); 18.6 min of training measured on 2 cores",
+        "config": {"transfer_tokens": 98_304, "lora_tokens": 49_152, "seq_len": 2048, "batch_size": 1,
+                   "transfer_lr": 1e-2, "lora_lr": 1e-3, "transfer_mode": "blockwise", "transfer_epochs": 2,
+                   "lora_loss": "kl", "window": 128},
+        "eval_max_tokens": 16_384,
+    },
+    "swa-sinks": {
+        "description": "the training-free baseline: a 64-token sliding window plus 4 attention sinks, no linear part, "
+                       "no training (what every trained hybrid must beat)",
+        "config": {"transfer_tokens": 0, "lora_tokens": 0, "window": 64, "window_kind": "sliding", "sinks": 4,
+                   "linear_weight": "zero"},
+        "eval_max_tokens": 16_384,
+    },
+    "gpu-small": {
+        "description": "one GPU, ~10-20 min for a 135M-1B model: 2M + 2M tokens at 2048",
+        "config": {"transfer_tokens": 2_000_000, "lora_tokens": 2_000_000, "seq_len": 2048, "batch_size": 4,
+                   "transfer_lr": 1e-2, "lora_lr": 2e-4},
+        "eval_max_tokens": None,
+    },
+    "paper": {
+        "description": "LoLCATs 7B/8B recipe scale: 20M + 20M tokens at 1024, batch 8 (paper: 40M total)",
+        "config": {"transfer_tokens": 20_000_000, "lora_tokens": 20_000_000, "seq_len": 1024, "batch_size": 8,
+                   "transfer_lr": 1e-2, "lora_lr": 1e-4},
+        "eval_max_tokens": None,
+    },
+}
+
+
