@@ -15,14 +15,15 @@ from .config import CompressConfig, EvalConfig
 from .errors import ModelLoadError
 from .eval.accounting import account, tensor_leaves
 from .eval.perplexity import perplexity
+from .eval.record import ResultsRecord
 from .eval.resources import peak_rss_mb, timed
 from .modules.quantize import QUANTIZE_SCHEMES, check_scheme, quantize_model, quantized_scheme
 from .pipelines.offload import load_as_copies
 
-__all__ = ["load_model", "load", "save", "evaluate", "quantize", "QUANTIZE_SCHEMES", "evaluation_blocks", "compress",
-           "linearize", "write_json", "teacher_statistics", "compress_from_statistics", "global_plan_from_statistics",
-           "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core", "convert_to_mla", "export",
-           "set_recall", "recall_probes", "keep_softmax_for_recall", "restore_softmax_layers"]
+__all__ = ["load_model", "load", "save", "evaluate", "evaluate_record", "ResultsRecord", "quantize", "QUANTIZE_SCHEMES",
+           "evaluation_blocks", "compress", "linearize", "write_json", "teacher_statistics", "compress_from_statistics",
+           "global_plan_from_statistics", "finetune_lora", "heal", "load_tokenizer", "compress_out_of_core",
+           "convert_to_mla", "export", "set_recall", "recall_probes", "keep_softmax_for_recall", "restore_softmax_layers"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -144,8 +145,16 @@ def evaluation_blocks(tokenizer, corpus: str, seq_len: int, max_tokens: int | No
 def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True,
              blocks: dict[str, torch.Tensor] | None = None, *, name: str | None = None, method: str = "original",
              ratio: float | None = None, baseline=None) -> dict:
+    """``evaluate_record(...)`` as the dict the jobs write (``ResultsRecord.to_dict``), for scripts."""
+    return evaluate_record(model, tokenizer, config, progress, blocks, name=name, method=method, ratio=ratio,
+                           baseline=baseline).to_dict()
+
+
+def evaluate_record(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True,
+                    blocks: dict[str, torch.Tensor] | None = None, *, name: str | None = None,
+                    method: str = "original", ratio: float | None = None, baseline=None) -> ResultsRecord:
     """The results record of ``model`` (design.md §5): perplexity on ``config.corpora`` (none when empty)
-    plus accounting. This is the one place the record is built; callers add their own sections.
+    plus accounting. This is the one place the record is built; jobs add their sections through its methods.
 
     ``blocks`` (optional): corpus -> token blocks already cut with this config, so that a caller
     evaluating many models tokenizes each corpus once. ``baseline`` (the ``Accounting`` of the model
@@ -170,30 +179,22 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig = EvalConfig(), pro
         ppl[corpus] = result.ppl
         details[corpus] = {"tokens": result.tokens, "blocks": result.blocks}
     accounting = account(model, context=config.context_for_macs)
-    record = {
-        "model": name or getattr(model, "name_or_path", type(model).__name__),
-        "method": method,
-        "ratio": ratio,
-        "ppl": ppl,
-        "params": accounting.params_dict(),
-        "bytes": accounting.bytes_dict(),
-        "macs_per_token": accounting.macs_per_token,
-        "attention_macs_per_token": accounting.attention_macs_per_token,
-        "kv_bytes_per_token": accounting.kv_bytes_per_token,
-        "state_bytes_per_sequence": accounting.state_bytes_per_sequence,
-        "settings": {"seq_len": config.seq_len, "max_eval_tokens": config.max_eval_tokens,
-                     "batch_size": config.batch_size, "dtype": accounting.dtype,
-                     "quantize": quantized_scheme(model),
-                     "eval_tokens": details, "threads": torch.get_num_threads()},
-        "timings_s": timings,
-        "peak_rss_mb": peak_rss_mb(),
-    }
+    record = ResultsRecord(
+        model=name or getattr(model, "name_or_path", type(model).__name__), method=method, ratio=ratio, ppl=ppl,
+        params=accounting.params_dict(), bytes=accounting.bytes_dict(), macs_per_token=accounting.macs_per_token,
+        attention_macs_per_token=accounting.attention_macs_per_token,
+        kv_bytes_per_token=accounting.kv_bytes_per_token,
+        state_bytes_per_sequence=accounting.state_bytes_per_sequence,
+        settings={"seq_len": config.seq_len, "max_eval_tokens": config.max_eval_tokens,
+                  "batch_size": config.batch_size, "dtype": accounting.dtype, "quantize": quantized_scheme(model),
+                  "eval_tokens": details, "threads": torch.get_num_threads()},
+        timings_s=timings, peak_rss_mb=peak_rss_mb())
     if accounting.notes:
-        record["accounting_notes"] = list(accounting.notes)
+        record.accounting_notes = list(accounting.notes)
     if baseline is not None:
-        record["params_before"] = baseline.params_dict()
-        record["reduction"] = {"linear": 1 - accounting.params_linear / baseline.params_linear,
-                               "total": 1 - accounting.params_total / baseline.params_total}
+        record.params_before = baseline.params_dict()
+        record.reduction = {"linear": 1 - accounting.params_linear / baseline.params_linear,
+                            "total": 1 - accounting.params_total / baseline.params_total}
     return record
 
 
