@@ -1,13 +1,15 @@
 """Sequential onloading: a model on the meta device whose pieces are read from safetensors when needed.
 
 The model is built from ``config.json`` under accelerate's ``init_empty_weights`` (parameters on the
-meta device, buffers such as rotary tables computed for real). The sequential loop
-(pipelines/sequential.py) then asks a :class:`LayerOffload` for
+meta device, buffers such as rotary tables computed for real). :class:`LayerOffload` is the sequential
+loop's layer source (pipelines/layer_sources.py ``LayerSource``; pipelines/sequential.py):
 
     capturing():    the modules outside the decoder layers (embeddings, ...; not an untied LM head)
                     materialised while the inputs of layer 0 are captured, then freed
     onload(l):      decoder layer l's tensors read from the shards (memory-mapped ``safe_open``, closed
-                    right after the read), cast to the working dtype, placed on the device
+                    right after the read), cast to the working dtype, placed on the device, then checked
+                    (``check_onloaded``: nothing was checked up front, ``weights_resident`` is False)
+    lead_layer_pivots(l): layer l's MLP pivots led before its checkpoint (it leaves memory after)
     release(l):     layer l's tensors back to the meta device (its compressed weights are saved by the
                     loop's checkpoint), the replaced module structure kept for the final metadata
 
@@ -28,8 +30,10 @@ from safetensors import safe_open
 from torch import nn
 
 from ..adapters import ModelAdapter, UnsupportedArchitectureError, adapter_for, auto_class_for
+from ..adapters.mlp_permutation import lead_mlp_pivots
 from ..errors import ModelLoadError
 from ..eval.resources import release_free_heap_memory
+from .layer_sources import check_layer_weights
 
 __all__ = ["SafetensorsCheckpoint", "LayerOffload", "empty_model", "load_as_copies", "SAFETENSORS_INDEX"]
 
@@ -147,7 +151,9 @@ def _set_tensor(module: nn.Module, name: str, device, value: torch.Tensor | None
 
 
 class LayerOffload:
-    """The :class:`~retrofitter.pipelines.sequential.LayerOffload` of a meta ``model`` read from ``checkpoint``."""
+    """The :class:`~retrofitter.pipelines.layer_sources.LayerSource` of a meta ``model`` read from ``checkpoint``."""
+
+    weights_resident = False  # each layer is checked when read; a resumed run keeps finished layers on meta
 
     def __init__(self, model: nn.Module, checkpoint: SafetensorsCheckpoint, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
@@ -157,6 +163,11 @@ class LayerOffload:
             raise UnsupportedArchitectureError(
                 f"out-of-core compression does not split fused projections ({self.adapter.family}: "
                 f"{', '.join(f.path for f in self.adapter.fused)}); compress this model in memory")
+
+    def check_run(self, calibration: torch.Tensor | None, checkpoint_dir) -> None:
+        """The finished layers' weights live in the checkpoint directory, and nothing is read without a stream."""
+        if checkpoint_dir is None or calibration is None:
+            raise ValueError("out-of-core compression needs the calibration blocks and a checkpoint directory")
 
     def layer_prefix(self, index: int) -> str:
         return f"{self.adapter.decoder_path}.{index}."
@@ -190,6 +201,17 @@ class LayerOffload:
         tensors = self.checkpoint.read([prefix + n for n in names], self.dtype, self.device)
         for name in names:
             _set_tensor(layer, name, self.device, tensors[prefix + name])
+
+    def check_onloaded(self, adapter: ModelAdapter, index: int, layer: nn.Module, targets: list[str]) -> None:
+        check_layer_weights(adapter, layer, index, targets)
+
+    def lead_layer_pivots(self, model: nn.Module, index: int) -> dict:
+        """Layer ``index``'s MLP pivots led now, before the layer is saved and freed."""
+        return {"mlp_pivots_lead": lead_mlp_pivots(model, [index])}
+
+    def lead_remaining_pivots(self, model: nn.Module, layer_reports: list[dict]) -> int:
+        """Nothing left to lead (each layer's were led before its save): their count, from the reports."""
+        return sum(r.get("mlp_pivots_lead", 0) for r in layer_reports)
 
     def release(self, index: int, layer: nn.Module) -> None:
         layer.to("meta")

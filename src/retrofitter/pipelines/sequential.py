@@ -24,19 +24,17 @@ Peak memory ≈ model + one layer's statistics + the calibration activations at 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters import ModelAdapter, adapter_for
-from ..adapters.mlp_permutation import lead_mlp_pivots
 from ..config import CompressConfig
 from ..eval.resources import current_rss_mb, peak_rss_mb
 from ..linalg.moments import CrossMomentAccumulator, SecondMomentAccumulator
@@ -45,10 +43,10 @@ from .calibration import LayerStream, capture_stream, collect_input_moments, lay
 from .diagnostics import calibration_diagnostics
 from .distributed import SINGLE_PROCESS, DataParallel, share_replacement
 from .layer_checkpoint import restore_layers, save_layer_progress
+from .layer_sources import LayerSource, ResidentLayers, check_layer_weights
 from .resume import RunDirectory, fingerprint
 
-__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "LayerOffload", "Planner", "run_sequential",
-           "target_names", "check_layer_weights",
+__all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "Planner", "run_sequential", "target_names",
            "check_compressible", "summarize"]
 
 log = logging.getLogger(__name__)
@@ -200,16 +198,6 @@ class LayerStrategy(Protocol):
     def finish(self, model: nn.Module, targets: list[str]) -> dict: ...
 
 
-class LayerOffload(Protocol):
-    """Where the layers of a model kept on the meta device come from (pipelines/offload.py)."""
-
-    def capturing(self) -> ContextManager: ...  # the modules before layer 0, materialised for the capture
-
-    def onload(self, index: int, layer: nn.Module) -> None: ...  # layer's tensors read, on the device
-
-    def release(self, index: int, layer: nn.Module) -> None: ...  # layer's tensors back to the meta device
-
-
 def _device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
 
@@ -228,18 +216,6 @@ def target_names(adapter: ModelAdapter, config: CompressConfig) -> list[str]:
     if unknown:
         raise ValueError(f"unknown targets {unknown} for {adapter.family} models; their projections are {names}")
     return [n for n in names if not config.targets or n in config.targets]
-
-
-def check_layer_weights(adapter: ModelAdapter, layer: nn.Module, index: int, targets: list[str]) -> None:
-    """Every target of ``layer`` is a dense ``nn.Linear`` with finite weights."""
-    for name in targets:
-        linear = adapter.get_linear(layer, name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"layer {index} projection {name!r} is a {type(linear).__name__} already: this model "
-                             f"was converted before; compress the original model instead")
-        if not torch.isfinite(linear.weight).all():
-            raise ValueError(f"non-finite values (NaN/Inf) in the weights of layer {index} projection {name!r} "
-                             f"({adapter.linear_path_in_model(index, name)})")
 
 
 def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[str],
@@ -263,7 +239,7 @@ def check_compressible(model: nn.Module, adapter: ModelAdapter, targets: list[st
 @torch.no_grad()
 def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStrategy, planner: Planner, *,
                    calibration: torch.Tensor | None = None, precomputed: dict | None = None, progress: bool = True,
-                   checkpoint_dir=None, remove_checkpoint: bool = True, offload: LayerOffload | None = None,
+                   checkpoint_dir=None, remove_checkpoint: bool = True, offload: LayerSource | None = None,
                    parallel: DataParallel = SINGLE_PROCESS, forms=None) -> tuple[nn.Module, dict]:
     """Compress ``model`` in place (module docstring); returns ``(model, report)``.
 
@@ -272,25 +248,26 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
     serves the planner only (which may fill ``precomputed``, pipelines/moment_spill.py) and is dropped.
     ``checkpoint_dir`` makes the run resumable; it is removed when the run completes unless
     ``remove_checkpoint`` is False (a caller that saves the model removes it once the save is in place).
-    ``offload``: ``model`` is on the meta device and each layer is read before its fit and freed after it
-    (needs ``checkpoint_dir``: the finished layers' weights stay there, ``layer_<l>.safetensors``, for the
-    caller to write out). ``parallel``: this process's share of data-parallel calibration (every process
+    ``offload``: the layer source of a ``model`` on the meta device (pipelines/offload.py ``LayerOffload``:
+    each layer is read before its fit and freed after it; needs ``checkpoint_dir``, where the finished
+    layers' weights stay, ``layer_<l>.safetensors``, for the caller to write out); None: the model is in
+    memory (``ResidentLayers``). ``parallel``: this process's share of data-parallel calibration (every process
     passes the same ``calibration``; each captures its own batches). ``forms`` (pipelines/form_choice.py):
     re-express each fitted layer's matrices in their chosen factor forms, right after the fit.
     """
     start = time.perf_counter()
+    source = ResidentLayers() if offload is None else offload
     adapter = adapter_for(model)
     layers = adapter.decoder_layers(model)
     targets = target_names(adapter, config)
-    check_compressible(model, adapter, targets, calibration, weights=offload is None)
-    if offload is not None and (checkpoint_dir is None or calibration is None):
-        raise ValueError("out-of-core compression needs the calibration blocks and a checkpoint directory")
+    check_compressible(model, adapter, targets, calibration, weights=source.weights_resident)
+    source.check_run(calibration, checkpoint_dir)
     model.eval()
     timings = {"capture": 0.0, "allocation": 0.0, "fit": 0.0, "propagation": 0.0}
     stream, teacher_stream, diagnostics = None, None, None
     if calibration is not None:
         t0 = time.perf_counter()
-        with offload.capturing() if offload is not None else contextlib.nullcontext():
+        with source.capturing():
             stream = capture_stream(model, adapter, parallel.shard(calibration, config.batch_size), config.batch_size)
         diagnostics = calibration_diagnostics(calibration, stream)
         if config.statistics == "teacher_target":  # one more activation buffer: the original model's stream
@@ -312,7 +289,7 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                                                            str(getattr(model, "name_or_path", "")),
                                                            model.config.to_dict()))
         first, reports, stream, teacher_stream = restore_layers(run_dir, model, adapter, stream, teacher_stream, config,
-                                                          load_weights=offload is None)
+                                                          load_weights=source.weights_resident)
         if first:
             log.info("resuming compression after layer %d from %s", first - 1, run_dir.path)
 
@@ -320,9 +297,8 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                initial=first, total=len(layers))
     for index in bar:
         layer_start = time.perf_counter()
-        if offload is not None:
-            offload.onload(index, layers[index])
-            check_layer_weights(adapter, layers[index], index, targets)
+        source.onload(index, layers[index])
+        source.check_onloaded(adapter, index, layers[index], targets)
         teacher_layer = copy.deepcopy(layers[index]) if teacher_stream is not None else None
         context = LayerContext(adapter, model, layers[index], index, plan, config, targets, stream=stream,
                                teacher_stream=teacher_stream, teacher_layer=teacher_layer,
@@ -353,17 +329,12 @@ def run_sequential(model: nn.Module, config: CompressConfig, strategy: LayerStra
                  reports[-1]["seconds"])
         context = None  # it holds the stream entering this layer and the original projections: free them now
         bar.set_postfix(proxy=f"{mean_error:.3f}")
-        if offload is not None:
-            reports[-1]["mlp_pivots_lead"] = lead_mlp_pivots(model, [index])  # before the layer is saved
+        reports[-1].update(source.lead_layer_pivots(model, index))  # before the layer is saved
         if run_dir is not None:
             save_layer_progress(run_dir, index, layers[index], stream, teacher_stream, reports)
-        if offload is not None:
-            offload.release(index, layers[index])
+        source.release(index, layers[index])
     bar.close()
-    if offload is None:
-        pivoted = lead_mlp_pivots(model)  # exact; lets down projections slice instead of gather
-    else:
-        pivoted = sum(r.get("mlp_pivots_lead", 0) for r in reports)
+    pivoted = source.lead_remaining_pivots(model, reports)
     finished = strategy.finish(model, targets)
     timings["total"] = time.perf_counter() - start
     report = summarize(config, reports, timings)
