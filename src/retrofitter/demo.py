@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .api import (compress, compress_from_statistics, convert_to_mla, evaluate, evaluation_blocks, global_plan_from_statistics,
-                  load_model, save, teacher_statistics, write_json)
+from .api import (compress, compress_from_statistics, convert_to_mla, evaluate_record, evaluation_blocks,
+                  global_plan_from_statistics, load_model, save, teacher_statistics, write_json)
 from .config import DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, CompressConfig, EvalConfig
 from .eval.accounting import account
 from .eval.table import format_results_table
@@ -57,20 +57,25 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
     eval_config = EvalConfig(corpora=tuple(corpora), seq_len=seq_len, max_eval_tokens=max_eval_tokens)
     _say(f"evaluating the original {model_name} on {', '.join(corpora)} ({max_eval_tokens} tokens each)")
     blocks = {c: evaluation_blocks(tokenizer, c, seq_len, max_eval_tokens) for c in corpora}
-    results = [evaluate(original, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name)]
+    results = [evaluate_record(original, tokenizer, eval_config, progress=progress, blocks=blocks,
+                               name=model_name).to_dict()]
     write_json(results[0], out / "original.json")
     before = account(original)
     calibration = calibration_blocks(tokenizer, load_text("wiki-calib"), seq_len, calib_samples)
 
-    def finish(model, method, ratio, seconds, statistics):
-        result = evaluate(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
-                          method=method, ratio=ratio, baseline=before)
-        result["timings_s"]["compress"] = seconds
-        result["settings"].update({"calib": "wiki-calib", "calib_samples": calib_samples, "calib_seq_len": seq_len,
-                                   "statistics": statistics})
-        write_json(result, out / f"{method}-{ratio:g}.json")
+    def keep(record, file_name):  # write the row's JSON, add it to the table, print it
+        result = record.to_dict()
+        write_json(result, out / file_name)
         results.append(result)
         print(format_results_table([result]).splitlines()[-1], flush=True)
+
+    def finish(model, method, ratio, seconds, statistics):
+        record = evaluate_record(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
+                                 method=method, ratio=ratio, baseline=before)
+        record.add_timings(compress=seconds)
+        record.add_settings(calib="wiki-calib", calib_samples=calib_samples, calib_seq_len=seq_len,
+                            statistics=statistics)
+        keep(record, f"{method}-{ratio:g}.json")
 
     most_compressed = None
     if ratios:
@@ -116,14 +121,12 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
         model = copy.deepcopy(original)
         t0 = time.perf_counter()
         convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio), calibration, progress=progress)
-        result = evaluate(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
-                          method=f"mla-kv{kv_ratio:g}", ratio=None, baseline=before)
-        result["timings_s"]["convert"] = time.perf_counter() - t0
-        result["settings"].update({"calib": "wiki-calib", "calib_samples": calib_samples, "calib_seq_len": seq_len,
-                                   "mla_config": MLAConfig(kv_ratio=kv_ratio).to_dict()})
-        write_json(result, out / f"mla-kv{kv_ratio:g}.json")
-        results.append(result)
-        print(format_results_table([result]).splitlines()[-1], flush=True)
+        record = evaluate_record(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
+                                 method=f"mla-kv{kv_ratio:g}", ratio=None, baseline=before)
+        record.add_timings(convert=time.perf_counter() - t0)
+        record.add_settings(calib="wiki-calib", calib_samples=calib_samples, calib_seq_len=seq_len,
+                            mla_config=MLAConfig(kv_ratio=kv_ratio).to_dict())
+        keep(record, f"mla-kv{kv_ratio:g}.json")
         mla_models.append((f"mla-kv{kv_ratio:g}", model))
     if most_compressed is not None:
         label, model = most_compressed

@@ -259,7 +259,7 @@ def cmd_linearize(args) -> int:
 
 
 def cmd_recall(args) -> int:
-    from ..recall_job import recall_job
+    from ..jobs import recall_job
 
     return show_results(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
                             keep_softmax_top=args.keep_softmax_top, probe_corpus=args.probe_corpus,

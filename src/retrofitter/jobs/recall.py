@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .api import evaluate, keep_softmax_for_recall, load_model, recall_probes, save, set_recall
-from .checkpoint import conversion_metadata, is_retrofitted_dir, output_lock, read_retrofitter_json
-from .config import EvalConfig
-from .data.corpora import check_corpus
-from .preflight import check_outputs
+from ..api import evaluate_record, keep_softmax_for_recall, recall_probes, set_recall
+from ..checkpoint import conversion_metadata, is_retrofitted_dir, read_retrofitter_json
+from ..config import EvalConfig
+from ..data.corpora import check_corpus
+from ..preflight import eval_lengths
+from .scaffold import NO_EVAL, OutputJob, load_checked
 
 __all__ = ["recall_job"]
 
 
 def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_softmax_top: int = 0,
-               probe_corpus: str = "wiki-calib", probe_tokens: int = 1024, probe_count: int = 4, eval_config: EvalConfig = EvalConfig(()),
-               overwrite: bool = False, dtype="float32", device="cpu", progress: bool = True) -> dict:
+               probe_corpus: str = "wiki-calib", probe_tokens: int = 1024, probe_count: int = 4,
+               eval_config: EvalConfig = NO_EVAL, overwrite: bool = False, dtype="float32", device="cpu",
+               progress: bool = True) -> dict:
     """The steps of the module docstring; returns the results record (with ``recall`` settings and, when
     layers were kept, their recall ranking). Every argument is checked before any work."""
     out = Path(out)
@@ -34,9 +36,9 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
         check_corpus(probe_corpus, "--probe-corpus")
         if probe_count < 1 or probe_tokens < 64:
             raise ValueError(f"--probe-count must be >= 1 and --probe-tokens >= 64; got {probe_count}, {probe_tokens}")
-    check_outputs(out, overwrite, eval_config, {"MODEL": model_dir}, {})
-    with output_lock(out):
-        model, tokenizer = load_model(str(model_dir), dtype=dtype, device=device)
+    job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_dir}, device=device)
+    with job.writing():
+        model, tokenizer = load_checked(model_dir, eval_lengths(eval_config), dtype=dtype, device=device)
         report = {}
         if keep_softmax_top:
             probes = recall_probes(tokenizer, probe_corpus, count=probe_count, context_tokens=probe_tokens)
@@ -46,10 +48,10 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
         recall = {"sinks": sinks, "sparse_cache": sparse_cache, "hybrid_layers": layers,
                   "kept_softmax_layers": report.get("restored_softmax_layers", []), "source_dir": str(model_dir)}
         metadata["recall"] = recall
-        save(model, out, tokenizer=tokenizer, metadata=metadata, overwrite=overwrite)
-        results = evaluate(model, tokenizer, eval_config, progress=progress, name=str(model_dir),
-                           method=metadata.get("method", "lolcats"), ratio=metadata.get("ratio"))
-        results["out"], results["recall"] = str(out), recall
+        job.save(model, tokenizer, metadata, overwrite)
+        record = evaluate_record(model, tokenizer, eval_config, progress=progress, name=str(model_dir),
+                                 method=metadata.get("method", "lolcats"), ratio=metadata.get("ratio"))
+        record.add_sections(recall=recall)
         if report:
-            results["recall_ranking"] = report
-        return results
+            record.add_sections(recall_ranking=report)
+        return job.results(record)
