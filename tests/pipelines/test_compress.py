@@ -170,7 +170,8 @@ def test_default_fits_read_the_plans_statistics_and_equal_the_two_pass_loop(fami
         raise AssertionError("the fits recomputed a preconditioner or an SVD the plan had made")
 
     with monkeypatch.context() as patch:  # the fits only truncate the plan's weighted SVDs
-        patch.setattr("retrofitter.pipelines.local_svd.cheapest_weighted_svd", refused)
+        patch.setattr("retrofitter.pipelines.input_statistics.cheapest_weighted_svd", refused)
+        patch.setattr("retrofitter.pipelines.input_statistics.weighted_svd", refused)
         patch.setattr("retrofitter.pipelines.local_svd.build_preconditioner", refused)
         one_pass, report = compress_model(build_tiny(family), config, ids, progress=False,
                                           checkpoint_dir=tmp_path / "work")

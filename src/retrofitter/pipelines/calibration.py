@@ -9,7 +9,7 @@ model + one layer's statistics + the calibration activations of one layer bounda
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch import nn
 from ..adapters import ModelAdapter
 from ..linalg.moments import SecondMomentAccumulator
 
-__all__ = ["LayerStream", "capture_stream", "collect_input_moments", "layer_inputs"]
+__all__ = ["LayerStream", "capture_stream", "collect_input_moments", "layer_inputs", "layer_pass"]
 
 
 @dataclass
@@ -90,6 +90,28 @@ def layer_inputs(layer: nn.Module, modules: dict[str, nn.Module], hidden: torch.
         for handle in handles:
             handle.remove()
     return captured
+
+
+@torch.no_grad()
+def layer_pass(layer: nn.Module, stream: LayerStream, modules: dict[str, nn.Module]
+               ) -> Iterator[tuple[dict, torch.Tensor]]:
+    """Per batch of ``stream``: (name -> the input [b, n, d] of each of ``modules`` (inside ``layer``) at its first
+    call, the layer's output [b, n, d]). The whole layer runs (HF's own decoder-layer forward, as
+    :meth:`LayerStream.advance`); the hooks are gone before each batch is handed out."""
+    for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
+        captured: dict = {}
+
+        def record(_module, args, name):
+            captured.setdefault(name, args[0].detach())
+
+        handles = [m.register_forward_pre_hook(lambda module, args, name=n: record(module, args, name))
+                   for n, m in modules.items()]
+        try:
+            output = _layer_output(layer(hidden, **kwargs))
+        finally:
+            for handle in handles:
+                handle.remove()
+        yield captured, output
 
 
 @torch.no_grad()

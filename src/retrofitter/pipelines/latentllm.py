@@ -18,17 +18,23 @@ with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for a
     (``mlp_algorithm="auxiliary"``: the joint auxiliary-variable algorithm on a token subsample instead);
     without ``joint_mlp``: local rootcov on E[ĥ ĥᵀ];
 
-Teacher targets (``statistics="teacher_target"``, error feedback as in linalg/teacher_target.py): every
-statistic pairs the compressed input x_c with the original model's input x_t of the same token. Local
-fits reproduce W x_t from x_c; the joint QK / VO solvers run on the target maps W̃ = W + W(C_tc − C_cc)
-(damped C_cc)⁻¹ in the C_cc metric (o keeps W_o: its input is the attention mix); the down fit uses the
-teacher's intermediate h = act(W_g x_t) ⊙ (W_u x_t) against the compressed ĥ.
+Statistics (``LayerContext.statistics``, pipelines/layer_statistics.py) come in one shape for every
+``config.statistics``, so each fit has one code path: ``collect`` gives each input's statistics
+(pipelines/input_statistics.py) with the metric C, the target map T and the bias compensation, and
+``input_pairs`` the (x_t, x_c) pairs of the MLP input for the down fit. With statistics "compressed" or
+"teacher", T = W, C = E[x xᵀ] and x_t = x_c. With teacher targets (``statistics="teacher_target"``, error
+feedback as in linalg/teacher_target.py) every statistic pairs the compressed input x_c with the original
+model's input x_t of the same token: local fits reproduce W x_t from x_c, the joint QK / VO solvers run on
+the target maps T = W̃ = W + W(C_tc − C_cc)(damped C_cc)⁻¹ in the C_cc metric (o keeps W_o on its own
+moments: its input is the attention mix), and the down fit uses the teacher's intermediate
+h = act(W_g x_t) ⊙ (W_u x_t) against the compressed ĥ.
 
 Biases (OPT, Qwen2 q/k/v): every fit uses centered statistics C0 = C − μμᵀ and the bias is compensated,
-b̂ = b + (W − BA)μ (for down: b̂ = b + W_d μ_h − Ŵ μ_ĥ). The joint QK/VO solvers have no bias terms:
-they run on the centered moments and each projection's bias is compensated afterwards (exact for the
-mean, the solvers' objectives then concern the fluctuations only). The auxiliary-variable MLP does not
-support biases and falls back to the streaming variant (logged).
+b̂ = b + W μ_t − BA μ_c (μ_t = μ_c = μ, the input mean, but with teacher targets; for down:
+b̂ = b + W_d μ_h − Ŵ μ_ĥ). The joint QK/VO solvers have no bias terms: they run on the centered moments
+and each projection's bias is compensated afterwards (exact for the mean, the solvers' objectives then
+concern the fluctuations only). The auxiliary-variable MLP does not support biases and falls back to the
+streaming variant (logged).
 
 With several processes (pipelines/distributed.py) every statistic is totalled over them and each process
 makes the same joint fits from the same moments (the loop then broadcasts rank 0's layer).
@@ -49,11 +55,11 @@ from ..config import CompressConfig
 from ..linalg.joint_mlp import ACTIVATIONS, DownFitMoments, down_fit_error, fit_down_to_compressed, joint_gated_mlp, joint_mlp_relu
 from ..linalg.joint_qk import JointQKSolver
 from ..linalg.joint_vo import JointVOSolver
-from ..linalg.moments import SecondMomentAccumulator, damped
-from ..linalg.svd import bias_compensation, proxy_error, rootcov_svd
-from ..linalg.teacher_target import teacher_target_map
+from ..linalg.moments import damped
+from ..linalg.svd import proxy_error, rootcov_svd
 from ..modules.latent_linear import LatentLinear
-from .local_svd import entry, fit_local, fit_teacher_target
+from .input_statistics import InputMoments, PairedInputMoments
+from .local_svd import entry, fit_local
 from .sequential import LayerContext
 
 __all__ = ["LatentLLMStrategy", "mlp_intermediate"]
@@ -67,23 +73,11 @@ def mlp_intermediate(kind: str, activation, inputs: dict[str, torch.Tensor]) -> 
     return activation(values[0]) * values[1] if kind == "gated" else activation(values[0])
 
 
-def _centered(accumulator: SecondMomentAccumulator, has_bias: bool) -> torch.Tensor:
-    return accumulator.covariance() if has_bias else accumulator.second_moment
-
-
-def _from_factors(linear: nn.Module, B, A, accumulator, config: CompressConfig,
-                  teacher_mean: torch.Tensor | None = None) -> LatentLinear:
-    """LatentLinear from float64 factors; with a bias, b̂ = b + (W − BA)μ of the input mean μ, or with teacher
-    targets b̂ = b + W μ_t − BA μ_c (``teacher_mean`` = μ_t, ``accumulator`` of x_c)."""
-    bias = None
-    if linear.bias is not None and teacher_mean is None:
-        bias = bias_compensation(linear.weight, B, A, linear.bias, accumulator.mean)
-    elif linear.bias is not None:
-        weight = linear.weight.detach().to(torch.float64)
-        bias = (linear.bias.detach().to(weight) + weight @ teacher_mean.to(weight)
-                - B @ (A @ accumulator.mean.to(weight)))
-    return LatentLinear.from_factors(B, A, bias=bias, junction=config.junction, dtype=linear.weight.dtype,
-                                     device=linear.weight.device)
+def _from_factors(linear: nn.Module, B, A, statistics: InputMoments | PairedInputMoments,
+                  config: CompressConfig) -> LatentLinear:
+    """LatentLinear from float64 factors, its bias compensated for its input's ``statistics``."""
+    return LatentLinear.from_factors(B, A, bias=statistics.compensated_bias(linear, B, A), junction=config.junction,
+                                     dtype=linear.weight.dtype, device=linear.weight.device)
 
 
 class LatentLLMStrategy:
@@ -115,38 +109,26 @@ class _LatentLLMLayer:
         self.options = context.config.options  # LatentLLMOptions (config/methods.py)
         self.layout = context.adapter.attention_layout(context.model)
         self.extra = context.extra
-        self.teacher_target = self.config.statistics == "teacher_target"
 
     # ---------------------------------------------------------------- helpers
     def linear(self, name: str) -> nn.Module:
         return self.context.linear(name)
 
-    def moments(self, leader: str) -> SecondMomentAccumulator:
-        return self.context.moments({leader: self.linear(leader)})[leader]
+    def moments(self, leader: str) -> InputMoments:
+        """The second moments of ``leader``'s input in this layer (its own outputs are the target)."""
+        return self.context.statistics.moments({leader: self.linear(leader)})[leader]
 
-    def statistics(self, leader: str):
-        """The input statistics of ``leader``: its SecondMomentAccumulator, or with teacher targets the
-        paired ``(C_cc accumulator, μ_t, E[x_t x_cᵀ] accumulator)``."""
-        if self.teacher_target:
-            return self.context.paired_moments({leader: self.linear(leader)})[leader]
-        return self.moments(leader)
+    def statistics(self, leader: str) -> InputMoments | PairedInputMoments:
+        """The fit statistics of ``leader``'s input (module docstring): C, the target map T, the bias."""
+        return self.context.statistics.collect({leader: self.linear(leader)})[leader]
 
-    def local(self, name: str, statistics) -> None:
-        if self.teacher_target:
-            fit_teacher_target(self.context, name, statistics)
-        else:
-            fit_local(self.context, name, statistics, method="local")
+    def local(self, name: str, statistics: InputMoments | PairedInputMoments) -> None:
+        fit_local(self.context, name, statistics, method="local")
 
-    def target(self, linear: nn.Module, statistics, moment: torch.Tensor, centered: bool) -> torch.Tensor:
+    def target(self, linear: nn.Module, statistics: InputMoments | PairedInputMoments, centered: bool) -> torch.Tensor:
         """The map the joint solvers approximate: W, or with teacher targets W̃ = W + W(C_tc − C_cc)C_cc⁻¹
-        (``moment`` = C_cc; ``centered``: covariances, for layers with biases)."""
-        if not self.teacher_target:
-            return linear.weight
-        accumulator, mean_t, cross = statistics
-        cross_moment = cross.cross_moment
-        if centered:
-            cross_moment = cross_moment - torch.outer(mean_t, accumulator.mean)
-        return teacher_target_map(linear.weight, cross_moment, moment, self.config.damping)
+        (``centered``: covariances, for layers with biases)."""
+        return statistics.target(linear.weight, centered, self.config.damping)
 
     def replace(self, name: str, replacement: LatentLinear, moment: torch.Tensor, reference=None, **extra) -> None:
         linear = self.linear(name)
@@ -174,11 +156,9 @@ class _LatentLLMLayer:
 
     def joint_qk(self, statistics) -> None:
         q, k, layout, config = self.linear("q"), self.linear("k"), self.layout, self.config
-        accumulator = statistics[0] if self.teacher_target else statistics
-        teacher_mean = statistics[1] if self.teacher_target else None
         has_bias = q.bias is not None or k.bias is not None
-        moment = _centered(accumulator, has_bias)
-        W_q, W_k = self.target(q, statistics, moment, has_bias), self.target(k, statistics, moment, has_bias)
+        moment = statistics.moment(has_bias)
+        W_q, W_k = self.target(q, statistics, has_bias), self.target(k, statistics, has_bias)
         solver = JointQKSolver(W_q, W_k, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "q")], self.plan[(self.index, "k")],
                                iterations=self.options.qk_iterations, damping=config.damping, name=f"layer {self.index}")
@@ -192,27 +172,25 @@ class _LatentLLMLayer:
         self.extra["qk_score_error_local"] = solver.score_error(A_q_local, B_q_local, A_k_local, B_k_local)
         self.extra["qk_objective"] = history
         for name, linear, W, B, A in (("q", q, W_q, factors.B_q, factors.A_q), ("k", k, W_k, factors.B_k, factors.A_k)):
-            self.replace(name, _from_factors(linear, B, A, accumulator, config, teacher_mean), moment, reference=W,
+            self.replace(name, _from_factors(linear, B, A, statistics, config), moment, reference=W,
                          method="joint_qk", score_error=score_error)
 
     def joint_vo(self, statistics) -> None:
         v, o, layout, config = self.linear("v"), self.linear("o"), self.layout, self.config
-        accumulator = statistics[0] if self.teacher_target else statistics
-        teacher_mean = statistics[1] if self.teacher_target else None
-        moment = _centered(accumulator, v.bias is not None)
-        W_v = self.target(v, statistics, moment, v.bias is not None)
+        moment = statistics.moment(v.bias is not None)
+        W_v = self.target(v, statistics, v.bias is not None)
         solver = JointVOSolver(W_v, o.weight, moment, layout.n_heads, layout.n_kv_heads, layout.head_dim,
                                self.plan[(self.index, "v")], self.plan[(self.index, "o")],
                                iterations=self.options.vo_iterations, damping=config.damping, name=f"layer {self.index}")
         factors = solver.solve()
         map_error = solver.map_error(factors.A_v, factors.B_v, factors.B_o, factors.A_o)
         self.extra["vo_map_error"] = map_error
-        self.replace("v", _from_factors(v, factors.B_v, factors.A_v, accumulator, config, teacher_mean), moment,
+        self.replace("v", _from_factors(v, factors.B_v, factors.A_v, statistics, config), moment,
                      reference=W_v, method="joint_vo", map_error=map_error)
         # o's input is the attention mix: its bias is compensated with the mix mean, measured after v is set.
-        o_accumulator = self.moments("o")
-        o_moment = _centered(o_accumulator, o.bias is not None)
-        self.replace("o", _from_factors(o, factors.B_o, factors.A_o, o_accumulator, config), o_moment,
+        o_statistics = self.moments("o")
+        o_moment = o_statistics.moment(o.bias is not None)
+        self.replace("o", _from_factors(o, factors.B_o, factors.A_o, o_statistics, config), o_moment,
                      method="joint_vo", map_error=map_error)
 
     def mlp(self) -> None:
@@ -237,7 +215,7 @@ class _LatentLLMLayer:
         ``select`` the calibration batches alternate between two folds, each candidate is fitted on one fold
         and scored on the other, and the winner is refitted on both."""
         down = self.linear(down_name)
-        originals = {n: self.context.originals[n] for n in inputs}
+        originals = {n: self.context.statistics.originals[n] for n in inputs}
         compressed = {n: self.linear(n) for n in inputs}  # already replaced by their local fits
         activation = self.adapter.mlp_activation(self.layer)
         select = self.options.down_fit == "select"
@@ -251,29 +229,13 @@ class _LatentLLMLayer:
             h_hat = mlp_intermediate(mlp_kind, activation, {n: m(x_c) for n, m in compressed.items()})
             folds[batch % len(folds)].update(h, h_hat)
 
-        if self.teacher_target:  # x_t: the original model's MLP input of the same token
-            with torch.no_grad():
-                leader = {inputs[0]: compressed[inputs[0]]}
-                for batch, (inputs_t, inputs_c) in enumerate(self.context.paired_inputs(leader)):
-                    update(batch, inputs_t[inputs[0]], inputs_c[inputs[0]])
-        else:  # h and ĥ from the same input x_c
-            calls = []  # one entry per batch; the hook calls the hooked module itself: a "busy" entry is that re-entry
-
-            def hook(_module, args, _output):
-                if calls and calls[-1] == "busy":
-                    return
-                calls.append("busy")
-                x = args[0].detach()
-                update(len(calls) - 1, x, x)
-                calls[-1] = "done"
-
-            handle = compressed[inputs[0]].register_forward_hook(hook)
-            try:
-                self.context.run()
-            finally:
-                handle.remove()
+        # x_t: the original model's MLP input of the same token with teacher targets, else x_c itself
+        with torch.no_grad():
+            leader = {inputs[0]: compressed[inputs[0]]}
+            for batch, (inputs_t, inputs_c) in enumerate(self.context.statistics.input_pairs(leader)):
+                update(batch, inputs_t[inputs[0]], inputs_c[inputs[0]])
         for fold in folds:  # totals over the processes' calibration shares
-            self.context.synchronize(*fold.accumulators())
+            self.context.statistics.synchronize(*fold.accumulators())
         has_bias = down.bias is not None
         rank, damping = self.plan[(self.index, down_name)], self.config.damping
         fits = {"joint": lambda m: fit_down_to_compressed(down.weight, m.cross, m.hat, rank, damping,
@@ -326,7 +288,7 @@ class _LatentLLMLayer:
 
         handle = modules[0].register_forward_hook(hook)
         try:
-            self.context.run()
+            self.context.statistics.run()
         finally:
             handle.remove()
         X = torch.cat(rows)
