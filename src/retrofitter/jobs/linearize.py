@@ -39,11 +39,11 @@ def linearize_job(model_name: str, out, config: LinearizeConfig, eval_config: Ev
         inputs["its original model"] = checked_original(model_name)
     job = OutputJob.start(out, overwrite, eval_config, inputs, {"--work-dir": work_dir}, device=device)
     with job.writing():
-        return linearize_written(job, model_name, config, eval_config, preset, train_corpus, work_dir, eval_original,
+        return linearize_and_save(job, model_name, config, eval_config, preset, train_corpus, work_dir, eval_original,
                                  overwrite, dtype, device, progress)
 
 
-def linearize_written(job: OutputJob, model_name, config, eval_config, preset, train_corpus, work_dir: Path,
+def linearize_and_save(job: OutputJob, model_name, config, eval_config, preset, train_corpus, work_dir: Path,
                       eval_original, overwrite, dtype, device, progress) -> dict:
     """``linearize_job`` after its checks, under the output lock: the results record (rank 0)."""
     timings, start = {}, time.perf_counter()
