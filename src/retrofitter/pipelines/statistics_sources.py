@@ -7,15 +7,16 @@ A statistics source owns the calibration stream(s) between layers. The loop asks
     advance(...)   the stream(s) entering layer l + 1, once layer l is fitted
     streams()      the streams to checkpoint after the layer (file name -> stream; ``restore`` on resume)
 
-    source           ``statistics=``       fits read                        the stream after layer l
-    CompressedSource "compressed"          E[x xᵀ] of the compressed inputs  through the compressed layer
-    TeacherSource    "teacher"             E[x xᵀ] of the original inputs    the original layer's outputs,
-                                                                             kept by the first pass
-    TeacherTargetSource "teacher_target"   C_cc, μ_t, C_tc of both streams   both: the compressed one through
-                     (the teacher stream starts as a clone of the captured  the compressed layer, the
-                     one)                                                   teacher's through a copy of the
-                                                                             original layer
-    PrecomputedSource (``precomputed=``)   the accumulators given            none (no stream)
+The sources (what the fits read; the stream after layer l):
+
+* :class:`CompressedSource` (``"compressed"``): E[x xᵀ] of the compressed model's inputs; the stream
+  advances through the compressed layer.
+* :class:`TeacherSource` (``"teacher"``): E[x xᵀ] of the original model's inputs; the stream becomes the
+  original layer's outputs, kept by the first whole-layer pass made before any projection was replaced.
+* :class:`TeacherTargetSource` (``"teacher_target"``): C_cc, μ_t and C_tc of the compressed and the original
+  model's inputs side by side; the teacher stream starts as a clone of the captured one and advances
+  through a copy of the original layer, the compressed stream through the compressed layer.
+* :class:`PrecomputedSource` (``precomputed=`` of the loop): the accumulators given; no stream flows.
 
 :data:`STATISTICS_SOURCES` maps each ``config.statistics`` value to its source class; :func:`statistics_source`
 picks the one of a run.
