@@ -11,7 +11,8 @@ Two executions of the same function:
 
 * ``absorbed`` (default): the query's no-rotation part is moved into the latent, q̂_i = K_upᵀ q_nope,i [r], and
   attention runs once over one shared key [c, k_pe] [r + 2m] and value c [r] (multi-query, one kv "head"
-  for all h heads, through HF's attention kernel); V_up is applied to each head's mix before o_proj.
+  for all h heads, through HF's attention kernel; a decode step hands the kernel its h heads as h query rows
+  of one head); V_up is applied to each head's mix before o_proj.
 * ``naive`` (the reference, for tests): keys K_up c and values V_up c decompressed for every cached token,
   softmax written out.
 
@@ -44,8 +45,8 @@ def _rope_slots(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class _HeadsView:
     """The attributes HF attention kernels read from the module they are given."""
 
-    def __init__(self, num_key_value_groups: int, training: bool):
-        self.num_key_value_groups, self.training, self.is_causal = num_key_value_groups, training, True
+    def __init__(self, num_key_value_groups: int, training: bool, is_causal: bool = True):
+        self.num_key_value_groups, self.training, self.is_causal = num_key_value_groups, training, is_causal
 
 
 class MLAAttention(nn.Module):
@@ -151,12 +152,21 @@ class MLAAttention(nn.Module):
         query = torch.cat([q_nope @ self.k_up, q_pe], -1)                        # [b, h, n, r + 2m]
         key = torch.cat([latent, k_pe], -1).unsqueeze(1)                         # [b, 1, N, r + 2m]
         options = dict(kwargs, sliding_window=self.sliding_window) if self.sliding_window else kwargs
+        heads_view = _HeadsView(self.n_heads, self.training)
+        # One new token (decode): its h query rows share the one key and one mask row, so they run as h rows of
+        # one head, [b, 1, h, r + 2m], and the kernel reads the cache once. As h heads, HF's sdpa kernel expands
+        # the shared key to every head under torch.compile (repeat_kv: h copies of the cache per step).
+        folded = query.shape[2] == 1 and (attention_mask is None or isinstance(attention_mask, torch.Tensor))
+        if folded:
+            query, heads_view = query.transpose(1, 2), _HeadsView(1, self.training, is_causal=False)
         # The value is the key itself (FlashMLA's layout): fused CPU/GPU kernels need equal q/k/v head sizes
         # (a value of width r sends SDPA to its math path, which materialises the [n, N] scores); the
         # mix of its last 2m dims is dropped.
-        mixed, weights = self._attention_resolver()(_HeadsView(self.n_heads, self.training), query, key, key,
-                                                    attention_mask, dropout=0.0, scaling=self.scaling,
-                                                    **options)  # [b, n, h, r + 2m]
+        mixed, weights = self._attention_resolver()(heads_view, query, key, key, attention_mask, dropout=0.0,
+                                                    scaling=self.scaling, **options)  # [b, n, h, r + 2m]
+        if folded:  # the kernel's [b, h, 1, ·] (its query rows were the heads) back to [b, 1, h, ·]
+            mixed = mixed.transpose(1, 2)
+            weights = None if weights is None else weights.transpose(1, 2)       # [b, h, 1, N]
         return torch.einsum("bnhr,hdr->bnhd", mixed[..., :self.kv_rank], self._value_heads()), weights
 
     def _naive(self, q_nope, q_pe, latent, k_pe, attention_mask, kwargs):
