@@ -6,7 +6,8 @@ import torch
 from retrofitter.adapters import adapter_for
 from retrofitter.config import ALLOCATION_WEIGHTINGS, CompressConfig, LatentLLMOptions
 from retrofitter.linalg.ranks import factor_param_count
-from retrofitter.pipelines.allocation import WEIGHTINGS, RankItem, allocate_ranks, output_gradient_importance
+from retrofitter.pipelines.allocation import WEIGHTINGS, RankItem, allocate_ranks
+from retrofitter.pipelines.gradient_importance import output_gradient_importance
 from retrofitter.pipelines.compress import compress_model
 
 from tiny_models import TINY_VOCAB, strong_tiny

@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
 from ..config import CompressConfig, LatentLLMOptions, LocalSVDOptions
-from .allocation import RankItem, make_planner, output_gradient_importance, plan_from_items
+from .allocation import RankItem, make_planner, plan_from_items
 from .calibration import capture_stream, collect_input_moments
 from .distributed import SINGLE_PROCESS, DataParallel
+from .gradient_importance import output_gradient_importance
 from .form_choice import form_choice_for, forms_summary, needs_form_choice
 from .latentllm import LatentLLMStrategy
 from .local_svd import LocalSVDStrategy
@@ -171,7 +172,7 @@ def teacher_global_plan(model: nn.Module, config: CompressConfig, moments: dict,
     The spectra are the cached singular values (:func:`weighted_spectra_from_cache`: fill ``svd_cache``
     with one ``compress_with_moments`` call first); ``config.allocation_weighting`` decides the gains.
     ``fisher`` needs ``importance`` ((layer, name) -> f_m, e.g. from a previous call's report) or the
-    ``calibration`` blocks to compute it (``allocation.output_gradient_importance``). Returns
+    ``calibration`` blocks to compute it (``gradient_importance.output_gradient_importance``). Returns
     ``(plan, report)`` with the importance under ``report["importance"]`` for reuse at other ratios.
     """
     adapter = adapter_for(model)
