@@ -18,8 +18,9 @@ Two executions of the same function:
 
 RoPE: the kept slots' frequencies are columns ``freq_index`` [m] of the model's own cos/sin tables
 ([b, n, dh], rotate-half layout: cos[..., f] = cos(pos·θ_f)), so any rope scaling the model uses carries
-over. Biases (Qwen2) are the projections' biases. The cache slot (adapters.latent_cache) stores c as the
-"key latent" and the rotated k_pe as the "value latent", positions none.
+over. Biases (Qwen2) are the projections' biases. The cache slot (adapters.latent_cache) stores [c, k_pe]
+[r + 2m] as the "key latent" (the tensor attention reads, never copied per step) and an empty "value
+latent" [0], positions none.
 """
 
 from __future__ import annotations
@@ -135,22 +136,25 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = query[..., :self.qk_nope_dim], _rope_slots(query[..., self.qk_nope_dim:], cos, sin)
         latent = self.kv_a_proj(hidden_states)                                   # [b, n, r]
         k_pe = _rope_slots(self.k_pe_proj(hidden_states), cos, sin)              # [b, n, 2m]
+        # the cached key is one tensor [c, k_pe]: attention reads it as it is, no per-step copy of the cache
+        key = torch.cat([latent, k_pe], -1)                                      # [b, n, r + 2m]
         if cache is not None:
             if self._cache_layer is None:
                 raise ValueError("this MLAAttention was built without a cache_layer; run it with use_cache=False")
-            latent, k_pe, _ = self._cache_layer(cache, self.layer_idx).update_latent(latent, k_pe, None)
+            key, _, _ = self._cache_layer(cache, self.layer_idx).update_latent(key, key[..., :0], None)
         kwargs.pop("position_ids", None)
         run = self._absorbed if self.absorbed else self._naive
-        heads, weights = run(q_nope, q_pe, latent, k_pe, attention_mask, kwargs)  # [b, n, h, dh]
+        heads, weights = run(q_nope, q_pe, key, attention_mask, kwargs)          # [b, n, h, dh]
         return self.o_proj(heads.reshape(batch, length, -1)), weights
 
     def _value_heads(self) -> torch.Tensor:
         group = self.n_heads // self.n_kv_heads
         return self.v_up.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r]
 
-    def _absorbed(self, q_nope, q_pe, latent, k_pe, attention_mask, kwargs):
+    def _absorbed(self, q_nope, q_pe, key, attention_mask, kwargs):
+        """Attention in the latent over ``key`` = [c, k_pe] [b, N, r + 2m] of every cached token."""
         query = torch.cat([q_nope @ self.k_up, q_pe], -1)                        # [b, h, n, r + 2m]
-        key = torch.cat([latent, k_pe], -1).unsqueeze(1)                         # [b, 1, N, r + 2m]
+        key = key.unsqueeze(1)                                                   # [b, 1, N, r + 2m]
         options = dict(kwargs, sliding_window=self.sliding_window) if self.sliding_window else kwargs
         heads_view = _HeadsView(self.n_heads, self.training)
         # One new token (decode): its h query rows share the one key and one mask row, so they run as h rows of
@@ -169,8 +173,9 @@ class MLAAttention(nn.Module):
             weights = None if weights is None else weights.transpose(1, 2)       # [b, h, 1, N]
         return torch.einsum("bnhr,hdr->bnhd", mixed[..., :self.kv_rank], self._value_heads()), weights
 
-    def _naive(self, q_nope, q_pe, latent, k_pe, attention_mask, kwargs):
+    def _naive(self, q_nope, q_pe, key, attention_mask, kwargs):
         """Keys and values decompressed for every cached token; softmax written out (eager masks only)."""
+        latent, k_pe = key[..., :self.kv_rank], key[..., self.kv_rank:]         # [b, N, r], [b, N, 2m]
         keys = F.linear(latent, self.k_up)                                       # [b, N, r']
         values = torch.einsum("bnr,hdr->bhnd", latent, self._value_heads())      # [b, h, N, dh]
         scores = (q_nope @ keys.unsqueeze(1).transpose(-1, -2)
