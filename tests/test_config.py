@@ -1,4 +1,4 @@
-"""CompressConfig defaults and validation (config.py)."""
+"""CompressConfig defaults and validation, the per-method options (config/compress.py, config/methods.py)."""
 
 import pytest
 

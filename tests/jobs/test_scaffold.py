@@ -80,6 +80,16 @@ def test_other_ranks_neither_lock_nor_save_and_work_dirs_wait_for_the_output(tmp
     assert not (tmp_path / ".out.lock").exists()
 
 
+def test_one_process_jobs_refuse_a_launch_of_several(tmp_path, monkeypatch):
+    assert OutputJob(tmp_path / "out", Processes(0, 1)).one_process("mla").processes == Processes(0, 1)
+    with pytest.raises(ValueError, match="retrofitter mla runs in one process; launch it without torchrun"):
+        OutputJob(tmp_path / "out", Processes(0, 2)).one_process("mla")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the launch as the job finds it, before any model is loaded
+    with pytest.raises(ValueError, match="retrofitter recall runs in one process"):
+        OutputJob.start(tmp_path / "r", False, jobs.NO_EVAL, {}).one_process("recall")
+
+
 def _names_used(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}

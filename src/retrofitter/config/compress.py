@@ -10,7 +10,7 @@ from .methods import COMPRESS_METHODS, MethodOptions
 
 __all__ = ["CompressConfig", "STATISTICS", "ALLOCATIONS", "ALLOCATION_WEIGHTINGS"]
 
-# Where layer l's statistics come from (pipelines/sequential.py): the compressed model's own activations,
+# Where layer l's statistics come from (pipelines/statistics_sources.py): the compressed model's own activations,
 # the original model's, or both (teacher_target: fit W' x_c to the original output W x_t, linalg/teacher_target.py).
 STATISTICS = ("compressed", "teacher", "teacher_target")
 ALLOCATIONS = ("uniform", "global")
@@ -92,7 +92,7 @@ class CompressConfig(JsonRoundTrip):
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be 'uniform' or 'global', got {self.allocation!r}")
         if self.refit_within_layer is None:
-            object.__setattr__(self, "refit_within_layer", self.method == "latentllm" or
+            object.__setattr__(self, "refit_within_layer", self.options.needs_refit_within_layer or
                                (self.allocation == "global" and self.statistics != "teacher"))
         if self.allocation_weighting not in ALLOCATION_WEIGHTINGS:
             raise ValueError(f"unknown allocation weighting {self.allocation_weighting!r}; "

@@ -57,6 +57,7 @@ class MethodOptions(JsonRoundTrip):
     factor_forms = "junction"      # how factored matrices run (pipelines/form_choice.py)
     budget = "params"              # what the global allocation prices
     latency_tokens = 512           # prefill length of the latency cost model
+    needs_refit_within_layer = False  # the method's fits need each group's statistics after the groups before it
 
     def __init_subclass__(cls, methods: dict[str, str] | None = None, statistics: str = "teacher", **kwargs):
         super().__init_subclass__(**kwargs)
@@ -101,6 +102,8 @@ class LocalSVDOptions(MethodOptions, methods={"svd": "plain", "asvd-hessian": "h
 class LatentLLMOptions(MethodOptions, methods={"latentllm": "rootcov"}, statistics="compressed"):
     """Options of LatentLLM (pipelines/latentllm.py): which joint decompositions run, their iterations, the
     joint MLP's down fit and the latent k/v cache (its budget ``kv_ratio`` and ``latent_attention``)."""
+
+    needs_refit_within_layer = True  # its joint fits read the outputs of the already replaced groups
 
     joint_qk: bool = option(True, "latentllm: joint QK (Tucker) decomposition")
     joint_vo: bool = option(False, "latentllm: joint VO decomposition")

@@ -1,7 +1,7 @@
 """The results record: what ``api.evaluate_record`` measures of a model plus the sections the jobs add.
 
-Every job (``retrofitter compress|mla|linearize|heal|recall|eval``, ``demo``) returns ``record.to_dict()``
-and ``--json`` writes it; eval/report.py, eval/table.py and the plots read those files. The record's
+Every job (``retrofitter compress|mla|linearize|heal|recall|eval``) returns ``record.to_dict()`` on rank 0
+and ``--json`` writes it (``demo`` writes one per row); eval/report.py, eval/table.py and the plots read those files. The record's
 fields are every key such a file may hold, so a job adds only what this class names (``add_sections``
 refuses any other name) and each figure keeps one spelling. A section a job did not add is ``ABSENT``:
 left out of ``to_dict`` (``None`` is a value, written as JSON null).

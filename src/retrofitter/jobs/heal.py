@@ -62,11 +62,10 @@ def heal_job(model_dir, out, config: HealConfig, eval_config=NO_EVAL, *, teacher
 
 @dataclass
 class HealStages:
-    """What ``heal_stages`` measured and made: the healed ``model``, its work directory, the evaluation blocks
+    """What ``heal_stages`` measured and made: the healed ``model``, the evaluation blocks
     and baseline shared by every stage, the records of the stages and the heal report."""
 
     model: object
-    work_dir: Path
     eval_blocks: dict
     baseline: Accounting
     original: ResultsRecord
@@ -92,7 +91,7 @@ def heal_stages(model, tokenizer, teacher_name, config: HealConfig, eval_config,
                           max_tokens=max(max_tokens, config.seq_len) if max_tokens else None)
     work_dir = heal_dir(out)
     model, report = heal(model, teacher, blocks, config, progress=progress, work_dir=work_dir)
-    stages = HealStages(model, work_dir, eval_blocks, baseline, original, before, report,
+    stages = HealStages(model, eval_blocks, baseline, original, before, report,
                         metadata={"teacher": teacher_name, "train_corpus": train_corpus, "config": config.to_dict(),
                                   "steps": report["steps"], "tokens": report["tokens"], "seconds": report["seconds"]})
     if control and report["steps"]:

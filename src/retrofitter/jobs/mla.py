@@ -26,7 +26,8 @@ def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, 
     if calib_samples < 1:
         raise ValueError(f"--calib-samples must be >= 1, got {calib_samples}")
     check_corpus(calib, "--calib")
-    job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_name, "--calib": calib}, device=device)
+    job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_name, "--calib": calib},
+                          device=device).one_process("mla")
     with job.writing():
         start = time.perf_counter()
         model, tokenizer = load_checked(model_name, {"--seq-len": seq_len, **eval_lengths(eval_config)},

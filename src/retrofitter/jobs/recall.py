@@ -36,7 +36,7 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
         check_corpus(probe_corpus, "--probe-corpus")
         if probe_count < 1 or probe_tokens < 64:
             raise ValueError(f"--probe-count must be >= 1 and --probe-tokens >= 64; got {probe_count}, {probe_tokens}")
-    job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_dir}, device=device)
+    job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_dir}, device=device).one_process("recall")
     with job.writing():
         model, tokenizer = load_checked(model_dir, eval_lengths(eval_config), dtype=dtype, device=device)
         report = {}

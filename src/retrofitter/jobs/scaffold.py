@@ -1,6 +1,7 @@
 """What every job shares: the processes of the launch, the output lock, the save, the work directories.
 
-A job that writes a model (compress, mla, linearize, heal, recall) runs::
+A job that writes a model (compress, mla, linearize, heal, recall) runs (mla and recall in one process only,
+``OutputJob.one_process``)::
 
     job = OutputJob.start(out, overwrite, eval_config, inputs, work_dirs, device=device)  # checks, rank
     with job.writing():                          # the output lock, held by rank 0 only
@@ -105,6 +106,14 @@ class OutputJob:
     def writes(self) -> bool:
         """Whether this process writes the output (rank 0)."""
         return self.processes.writes
+
+    def one_process(self, command: str) -> OutputJob:
+        """Refuse a launch of several processes for ``command``, whose work is not shared between processes
+        (mla, recall): every process would repeat it. Returns the job."""
+        if self.processes.world_size > 1:
+            raise ValueError(f"retrofitter {command} runs in one process; launch it without torchrun "
+                             f"(WORLD_SIZE is {self.processes.world_size})")
+        return self
 
     @property
     def parallel(self) -> DataParallel:

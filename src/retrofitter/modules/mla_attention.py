@@ -19,8 +19,8 @@ Two executions of the same function:
 RoPE: the kept slots' frequencies are columns ``freq_index`` [m] of the model's own cos/sin tables
 ([b, n, dh], rotate-half layout: cos[..., f] = cos(pos·θ_f)), so any rope scaling the model uses carries
 over. Biases (Qwen2) are the projections' biases. The cache slot (adapters.latent_cache) stores [c, k_pe]
-[r + 2m] as the "key latent" (the tensor attention reads, never copied per step) and an empty "value
-latent" [0], positions none.
+[r + 2m] as the "key latent" (the tensor attention reads as it is: no copy of the cache per step beyond
+the dynamic cache's own append, none with the static cache) and an empty "value latent" [0], positions none.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = query[..., :self.qk_nope_dim], _rope_slots(query[..., self.qk_nope_dim:], cos, sin)
         latent = self.kv_a_proj(hidden_states)                                   # [b, n, r]
         k_pe = _rope_slots(self.k_pe_proj(hidden_states), cos, sin)              # [b, n, 2m]
-        # the cached key is one tensor [c, k_pe]: attention reads it as it is, no per-step copy of the cache
+        # the cached key is one tensor [c, k_pe], read by attention as it is (no concatenation of the whole cache)
         key = torch.cat([latent, k_pe], -1)                                      # [b, n, r + 2m]
         if cache is not None:
             if self._cache_layer is None:

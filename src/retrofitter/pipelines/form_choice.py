@@ -1,4 +1,4 @@
-"""Which factor form each compressed matrix runs in (``CompressConfig.factor_forms``, ``budget``).
+"""Which factor form each compressed matrix runs in (``LocalSVDOptions.factor_forms``, ``budget``: ``config.options``).
 
 ``factor_forms="junction"`` (default): every factored matrix in the configured form (``--junction``:
 junction, ``--no-junction``: plain), as before. ``"fastest"``: after each layer is fitted, every

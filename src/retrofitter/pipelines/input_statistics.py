@@ -42,7 +42,6 @@ class InputMoments:
     """Second moments of the input x the fit sees; the fit keeps W's own outputs W x."""
 
     accumulator: SecondMomentAccumulator  # E[x xᵀ] [d, d], mean μ [d]
-    teacher_mean = None  # the fit's input is the teacher's input
     entry_fields = {}  # nothing to add to the report entries of its fits
 
     def moment(self, centered: bool) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Global rank allocation priced in modelled time (``CompressConfig.budget = "latency"``).
+"""Global rank allocation priced in modelled time (``LocalSVDOptions.budget = "latency"``).
 
 Each matrix m is either factored at rank r, taking f_m(r) seconds (the fastest allowed factored form at r,
 ``FormChoice.best_factored``: a cost model timed on this machine), or kept dense (the original W_m, D_m

@@ -1,7 +1,7 @@
 """LatentLLM (design.md §3): the per-layer strategy with joint decompositions, run by pipelines/sequential.py.
 
 Per decoder layer l (statistics from the already compressed layers < l, or from the original model
-with ``statistics="teacher"``), each part switchable in ``CompressConfig`` for ablations:
+with ``statistics="teacher"``), each part switchable in ``LatentLLMOptions`` (config/methods.py) for ablations:
 
  1. pass over the stream → C = E[x xᵀ] of the attention input x;
     q/k: joint QK (``joint_qk``): Tucker-2 of the whitened per-head score maps (JointQKSolver), shared
@@ -84,7 +84,6 @@ class LatentLLMStrategy:
     """Per-layer strategy of ``method="latentllm"`` (module docstring); ``finish`` swaps in the latent cache."""
 
     def __init__(self, config: CompressConfig):
-        self.config = config
         self.options = config.options  # LatentLLMOptions (config/methods.py)
 
     def fit_layer(self, context: LayerContext) -> None:
@@ -211,7 +210,7 @@ class _LatentLLMLayer:
             self.local(down_name, self.statistics(down_name))
 
     def streaming_down(self, inputs, down_name: str) -> None:
-        """Down refitted to the compressed intermediate ĥ (``config.down_fit``, module docstring); with
+        """Down refitted to the compressed intermediate ĥ (``options.down_fit``, module docstring); with
         ``select`` the calibration batches alternate between two folds, each candidate is fitted on one fold
         and scored on the other, and the winner is refitted on both."""
         down = self.linear(down_name)
