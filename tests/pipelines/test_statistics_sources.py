@@ -61,11 +61,18 @@ def test_teacher_target_layer_pairs_equal_the_plain_inputs_on_layer_0():
     plain = statistics_source("compressed", stream).for_layer(adapter, layer, 0)
     source = statistics_source("teacher_target", stream)
     paired = source.for_layer(adapter, layer, 0)
+    # The teacher's copy of the layer on the cloned stream and the layer on the stream are the same float32
+    # computation on equal values, but in other allocations: MKL may pick another kernel path by alignment, so
+    # they agree to float32 rounding through one decoder layer of width 64 (~1e-6 relative), not bitwise.
+    close = dict(rtol=1e-5, atol=1e-5)
     for (x_t, x_c), (y_t, y_c) in zip(paired.input_pairs(modules), plain.input_pairs(modules)):
-        assert torch.equal(x_t["gate"], x_c["gate"]) and torch.equal(x_c["gate"], y_c["gate"])
+        torch.testing.assert_close(x_t["gate"], x_c["gate"], **close)
+        torch.testing.assert_close(x_c["gate"], y_c["gate"], **close)
         assert y_t is y_c
     assert paired.passes == plain.passes == 1
     source.advance(paired)
     assert set(source.streams()) == {"stream", "teacher_stream"}
-    assert all(torch.equal(a, b) for a, b in zip(source.streams()["stream"].hidden,
-                                                 source.streams()["teacher_stream"].hidden))
+    streams = source.streams()
+    assert len(streams["stream"].hidden) == len(streams["teacher_stream"].hidden) == 2
+    for a, b in zip(streams["stream"].hidden, streams["teacher_stream"].hidden):
+        torch.testing.assert_close(a, b, **close)
