@@ -3,7 +3,8 @@
 One table, SmolLM2-135M, every row measured in this run:
 
     original           the softmax model
-    swa-sinks          `linearize --preset swa-sinks`: sliding window 64 + 4 sinks, no linear part, no training
+    <preset>           each training-free preset of --presets (default swa-sinks: sliding window 64 + 4 sinks, no
+                       linear part; swa-sinks-cache: + a sparse cache of 256 keys per layer and kv head)
     <trained>          each trained hybrid given with --trained LABEL=DIR (e.g. quality=runs/recall/quality)
     <trained>+s4       + 4 attention sinks (with --sinks-row)       (api.set_recall, training-free)
     <trained>+s4+mM    + a sparse cache of M keys per layer and kv head (LoLA-style), for each M in --sparse
@@ -13,8 +14,9 @@ One table, SmolLM2-135M, every row measured in this run:
     <extra>            a model directory as it is (--extra LABEL=DIR)
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
---passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each); the multi-key variant (--keys labelled
-keys, one asked; depths x --multikey-trials) at --multikey lengths; then one interleaved eager decode
+--passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each; --trials-at LENGTH=N changes N at a
+length); the multi-key variant (--keys labelled keys, one asked; depths x --multikey-trials) at
+--multikey lengths; then (unless --rows-only) one interleaved eager decode
 benchmark (eval.bench_decode, batch 1, dynamic cache, contexts --contexts): tokens/s and the bytes of
 the filled cache at every context (every tensor reachable from it). A finished row is kept in
 OUT/rows/ and skipped when the script runs again.
@@ -55,13 +57,22 @@ def kept_layers(directory: str, count: int, tokenizer, out: Path) -> list[int]:
     return json.loads(path.read_text())["restored_softmax_layers"]
 
 
+def passkey_by_length(model, tokenizer, lengths, trials_at: dict) -> dict:
+    """Passkey accuracy per length, each with its own number of keys per depth (one seed per length)."""
+    runs = {str(n): passkey_accuracy(model, tokenizer, context_lengths=(n,), trials=trials_at[n], seed=n, progress=True)
+            for n in lengths}
+    return {"by_context": {n: run["by_context"][n] for n, run in runs.items()},
+            "trials_per_length": {n: len(run["trials"]) for n, run in runs.items()},
+            "settings": {"context_lengths": list(lengths)}, "runs": runs}
+
+
 def build(spec: tuple, model_name: str, tokenizer, out: Path):
     kind, *rest = spec
     if kind == "original":
         return load_model(model_name)[0]
-    if kind == "swa-sinks":
+    if kind == "preset":
         model = load_model(model_name)[0]
-        linearize(model, LinearizeConfig.preset("swa-sinks"), progress=False)
+        linearize(model, LinearizeConfig.preset(rest[0]), progress=False)
         return model
     directory, sinks, cache, keep = rest
     layers = kept_layers(directory, keep, tokenizer, out) if keep else []
@@ -79,12 +90,15 @@ def main() -> None:
     parser.add_argument("--trained", action="append", default=[], metavar="LABEL=DIR", help="a trained hybrid")
     parser.add_argument("--extra", action="append", default=[], metavar="LABEL=DIR",
                         help="a model directory evaluated as it is (e.g. a `recall` output healed afterwards)")
+    parser.add_argument("--presets", default="swa-sinks", help="comma-separated training-free linearize presets")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--sinks-row", action="store_true", help="also a row with the sinks alone")
     parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
     parser.add_argument("--keep", type=ints, default=(4,), help="softmax layers kept by recall gain (rows +kK)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
+    parser.add_argument("--trials-at", default="", metavar="LENGTH=N,...",
+                        help="keys per depth at the given lengths instead of --trials (e.g. 4096=7,8192=2)")
     parser.add_argument("--multikey", type=ints, default=(4096, 8192))
     parser.add_argument("--keys", type=int, default=2, help="labelled keys of the multi-key variant (SmolLM2-135M "
                         "itself recalls 2 of them, not 3)")
@@ -93,14 +107,22 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows-only", action="store_true",
+                        help="measure and keep the rows, skip the decode benchmark (a later run without it adds it)")
     parser.add_argument("--only", default="", help="comma-separated row labels (default: all)")
     parser.add_argument("--out", type=Path, default=Path("runs/recall"))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    trials_at = {n: args.trials for n in args.passkey}
+    trials_at.update({int(k): int(v) for k, _, v in (item.partition("=") for item in args.trials_at.split(",") if item)})
     (args.out / "rows").mkdir(parents=True, exist_ok=True)
 
-    rows: dict[str, tuple] = {"original": ("original",), "swa-sinks": ("swa-sinks",)}
+    rows: dict[str, tuple] = {"original": ("original",)}
+    for name in filter(None, args.presets.split(",")):
+        if LinearizeConfig.preset(name).transfer_tokens or LinearizeConfig.preset(name).lora_tokens:
+            parser.error(f"--presets takes training-free presets; {name!r} trains (give its output with --trained)")
+        rows[name] = ("preset", name)
     for item in args.trained:
         name, _, directory = item.partition("=")
         rows[name] = ("trained", directory, 0, 0, 0)
@@ -131,8 +153,7 @@ def main() -> None:
         model = build(spec, args.model, tokenizer, args.out)
         row = {"spec": list(spec), "ppl": {str(n): perplexities(model, b)["wiki-eval"] for n, b in blocks.items()}}
         print(f"[recall] {label} ppl {row['ppl']}", flush=True)
-        row["passkey"] = passkey_accuracy(model, tokenizer, context_lengths=args.passkey, trials=args.trials,
-                                          progress=True)
+        row["passkey"] = passkey_by_length(model, tokenizer, args.passkey, trials_at)
         print(f"[recall] {label} passkey {row['passkey']['by_context']}", flush=True)
         if args.multikey:
             row["multikey"] = passkey_accuracy(model, tokenizer, context_lengths=args.multikey, keys=args.keys,
@@ -144,6 +165,8 @@ def main() -> None:
         del model
         gc.collect()
 
+    if args.rows_only:
+        return
     models = [(label, build(spec, args.model, tokenizer, args.out)) for label, spec in rows.items()]
     speed = bench_decode(models, modes=("eager",), batch_sizes=(1,), contexts=args.contexts, prefill_len=0,
                          decode_tokens=args.decode_tokens, cache="dynamic", repeats=args.repeats, warmup=1,
@@ -170,8 +193,8 @@ def table(record: dict) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
         cells = [label] + [f"{row['ppl'][n]:.2f} ({row['ppl'][n] / base['ppl'][n]:.3f}×)" for n in ("512", "2048")]
-        cells += [f"{row['passkey']['by_context'][str(n)]:.0%}" for n in lengths]  # 3 depths x --trials each
-        cells += [f"{row['multikey']['by_context'][str(n)]:.0%}" for n in multi]
+        cells += [f"{row['passkey']['by_context'][str(n)]:.0%} ({_trials(row['passkey'], n)})" for n in lengths]
+        cells += [f"{row['multikey']['by_context'][str(n)]:.0%} ({_trials(row['multikey'], n)})" for n in multi]
         entry = speed[label]["decode"]
         ref = speed["original"]["decode"]
         cells += [f"{entry[str(n)]['cache_bytes'] / 2**20:.1f} MiB ({entry[str(n)]['cache_bytes'] / ref[str(n)]['cache_bytes']:.3f}×)"
@@ -181,6 +204,13 @@ def table(record: dict) -> str:
                   for n in contexts]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def _trials(passkey: dict, length: int) -> int:
+    """Trials behind the accuracy at ``length`` (rows of older runs ran every length with the same count)."""
+    if "trials_per_length" in passkey:
+        return passkey["trials_per_length"][str(length)]
+    return sum(1 for trial in passkey["trials"] if trial["context"] == length)
 
 
 if __name__ == "__main__":

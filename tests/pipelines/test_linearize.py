@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from retrofitter.adapters.hybrid_attention import hybrid_attention_modules
+from retrofitter.adapters.hybrid_attention import HybridCache, hybrid_attention_modules
 from retrofitter.api import load, save
 from retrofitter.config import LinearizeConfig
 from retrofitter.eval.perplexity import block_nll
@@ -277,3 +277,32 @@ def test_swa_sinks_preset_trains_nothing_and_attends_window_plus_sinks(tmp_path)
         reference = original(input_ids=tokens, attention_mask=mask).logits
         assert torch.allclose(hybrid, reference, atol=1e-4, rtol=1e-4)
         assert (hybrid - original(input_ids=tokens).logits).abs().max() > 1e-3  # past the window it differs
+
+
+def test_swa_sinks_cache_preset_adds_a_read_sparse_cache_and_decodes_like_its_forward(tmp_path):
+    """swa-sinks-cache: nothing trained, no linear part in the output; the cached keys change what is attended
+    (it differs from swa-sinks), a token-by-token decode equals the full forward, and save -> load keeps it."""
+    cfg = LinearizeConfig.preset("swa-sinks-cache", window=4, sparse_cache=3)
+    assert (cfg.transfer_tokens, cfg.lora_tokens, cfg.sinks, cfg.linear_weight) == (0, 0, 4, "zero")
+    assert LinearizeConfig.preset("swa-sinks-cache").sparse_cache == 256
+    model, report = linearize_model(build_tiny("llama", dtype=torch.float64), cfg, blocks(), blocks(seed=2),
+                                    progress=False)
+    assert "transfer" not in report and "lora" not in report
+    plain, _ = linearize_model(build_tiny("llama", dtype=torch.float64), LinearizeConfig.preset("swa-sinks", window=4),
+                               blocks(), blocks(seed=2), progress=False)
+    tokens = blocks(2, 20, seed=5)
+    with torch.no_grad():
+        full = model(input_ids=tokens, use_cache=False).logits
+        assert (full - plain(input_ids=tokens, use_cache=False).logits).abs().max() > 1e-3  # the cache is read
+        cache = HybridCache(model)
+        stepped = [model(input_ids=tokens[:, :7], cache=cache, use_cache=True).logits]
+        for t in range(7, tokens.shape[1]):
+            stepped.append(model(input_ids=tokens[:, t:t + 1], cache=cache, use_cache=True).logits)
+        assert torch.allclose(torch.cat(stepped, dim=1), full, atol=1e-9, rtol=0)
+        save(model, tmp_path / "m", metadata={"method": "lolcats"})
+        from retrofitter.checkpoint import load_retrofitted
+
+        loaded = load_retrofitted(tmp_path / "m", dtype=torch.float64)  # rebuilt in float32, then cast: 1e-7 rounding
+        assert [m.hybrid.recall for m in hybrid_attention_modules(loaded).values()] == [
+            m.hybrid.recall for m in hybrid_attention_modules(model).values()]
+        assert torch.allclose(loaded(input_ids=tokens, use_cache=False).logits, full, atol=1e-6, rtol=0)

@@ -147,6 +147,14 @@ LINEARIZE_PRESETS: dict[str, dict] = {
                    "linear_weight": "zero"},
         "eval_max_tokens": 16_384,
     },
+    "swa-sinks-cache": {
+        "description": "training-free recall: swa-sinks plus a LoLA sparse cache of 256 keys per layer and kv head, "
+                       "ranked by the recall error of an untrained (identity-initialised) hedgehog linear state; the "
+                       "linear state only ranks keys, the output is a softmax over window + sinks + cache",
+        "config": {"transfer_tokens": 0, "lora_tokens": 0, "window": 64, "window_kind": "sliding", "sinks": 4,
+                   "sparse_cache": 256, "linear_weight": "zero"},
+        "eval_max_tokens": 16_384,
+    },
     "gpu-small": {
         "description": "one GPU, ~10-20 min for a 135M-1B model: 2M + 2M tokens at 2048",
         "config": {"transfer_tokens": 2_000_000, "lora_tokens": 2_000_000, "seq_len": 2048, "batch_size": 4,
