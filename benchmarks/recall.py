@@ -11,12 +11,11 @@ One table, SmolLM2-135M, every row measured in this run:
     <trained>+kK       K layers given their softmax back, ranked by recall gain on probes hidden in wiki-calib
                        (api.keep_softmax_for_recall, training-free), for each K in --keep
     <trained>+kK+s4+mM both
-    <trained>+s4+mM+a  + the linear anchor fitted on 2 x 2048 tokens of wiki-calib (with --anchor; api.calibrate_linear_anchor)
     <extra>            a model directory as it is (--extra LABEL=DIR)
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
 --passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each; --trials-at LENGTH=N changes N at a
-length; --row-trials LABEL@LENGTH=N for one row); the multi-key variant (--keys labelled keys, one asked; depths x --multikey-trials) at
+length); the multi-key variant (--keys labelled keys, one asked; depths x --multikey-trials) at
 --multikey lengths; then (unless --rows-only) one interleaved eager decode
 benchmark (eval.bench_decode, batch 1, dynamic cache, contexts --contexts): tokens/s and the bytes of
 the filled cache at every context (every tensor reachable from it). A finished row is kept in
@@ -37,8 +36,8 @@ from pathlib import Path
 import torch
 
 from common import eval_blocks, machine_info, perplexities
-from retrofitter.api import (calibrate_linear_anchor, evaluation_blocks, keep_softmax_for_recall, linearize, load,
-                             load_model, recall_probes, restore_softmax_layers, load_tokenizer, set_recall)
+from retrofitter.api import (keep_softmax_for_recall, linearize, load, load_model, recall_probes, restore_softmax_layers,
+                             load_tokenizer, set_recall)
 from retrofitter.config import LinearizeConfig
 from retrofitter.eval.bench_decode import bench_decode
 from retrofitter.eval.passkey import passkey_accuracy
@@ -75,15 +74,13 @@ def build(spec: tuple, model_name: str, tokenizer, out: Path):
         model = load_model(model_name)[0]
         linearize(model, LinearizeConfig.preset(rest[0]), progress=False)
         return model
-    directory, sinks, cache, keep, *anchor = rest
+    directory, sinks, cache, keep = rest
     layers = kept_layers(directory, keep, tokenizer, out) if keep else []
     model = load(directory)[0]
     if layers:
         restore_softmax_layers(model, layers)
     if sinks is not None:  # None: the directory's own settings
         set_recall(model, sinks, cache)
-    if anchor and anchor[0]:  # after the recall settings: the fit sees the exact set
-        calibrate_linear_anchor(model, evaluation_blocks(tokenizer, "wiki-calib", 2048, 2 * 2048), progress=True)
     return model
 
 
@@ -98,13 +95,10 @@ def main() -> None:
     parser.add_argument("--sinks-row", action="store_true", help="also a row with the sinks alone")
     parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
     parser.add_argument("--keep", type=ints, default=(4,), help="softmax layers kept by recall gain (rows +kK)")
-    parser.add_argument("--anchor", action="store_true", help="also the rows +s4+mM+a (the linear anchor fitted)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--trials-at", default="", metavar="LENGTH=N,...",
                         help="keys per depth at the given lengths instead of --trials (e.g. 4096=7,8192=2)")
-    parser.add_argument("--row-trials", default="", metavar="LABEL@LENGTH=N,...",
-                        help="keys per depth for one row at one length (e.g. quality+s4+m256+a@8192=7)")
     parser.add_argument("--multikey", type=ints, default=(4096, 8192))
     parser.add_argument("--keys", type=int, default=2, help="labelled keys of the multi-key variant (SmolLM2-135M "
                         "itself recalls 2 of them, not 3)")
@@ -122,11 +116,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     trials_at = {n: args.trials for n in args.passkey}
     trials_at.update({int(k): int(v) for k, _, v in (item.partition("=") for item in args.trials_at.split(",") if item)})
-    row_trials: dict[str, dict[int, int]] = {}
-    for item in filter(None, args.row_trials.split(",")):
-        where, _, count = item.partition("=")
-        label, _, length = where.rpartition("@")
-        row_trials.setdefault(label, {})[int(length)] = int(count)
     (args.out / "rows").mkdir(parents=True, exist_ok=True)
 
     rows: dict[str, tuple] = {"original": ("original",)}
@@ -141,8 +130,6 @@ def main() -> None:
             rows[f"{name}+s{args.sinks}"] = ("trained", directory, args.sinks, 0, 0)
         for size in args.sparse:
             rows[f"{name}+s{args.sinks}+m{size}"] = ("trained", directory, args.sinks, size, 0)
-            if args.anchor:
-                rows[f"{name}+s{args.sinks}+m{size}+a"] = ("trained", directory, args.sinks, size, 0, True)
         for keep in args.keep:
             rows[f"{name}+k{keep}"] = ("trained", directory, 0, 0, keep)
             rows[f"{name}+k{keep}+s{args.sinks}+m{args.sparse[0]}"] = ("trained", directory, args.sinks,
@@ -166,7 +153,7 @@ def main() -> None:
         model = build(spec, args.model, tokenizer, args.out)
         row = {"spec": list(spec), "ppl": {str(n): perplexities(model, b)["wiki-eval"] for n, b in blocks.items()}}
         print(f"[recall] {label} ppl {row['ppl']}", flush=True)
-        row["passkey"] = passkey_by_length(model, tokenizer, args.passkey, {**trials_at, **row_trials.get(label, {})})
+        row["passkey"] = passkey_by_length(model, tokenizer, args.passkey, trials_at)
         print(f"[recall] {label} passkey {row['passkey']['by_context']}", flush=True)
         if args.multikey:
             row["multikey"] = passkey_accuracy(model, tokenizer, context_lengths=args.multikey, keys=args.keys,

@@ -46,27 +46,3 @@ def test_recall_command_sets_sinks_cache_and_kept_layers(tmp_path):
     with pytest.raises(SystemExit) as refused:  # argparse: one line, exit status 2
         main(["eval", str(out), "--passkey", "220", "--passkey-depths", "1.5", "--quiet"])
     assert refused.value.code == 2
-
-
-def test_recall_command_fits_the_linear_anchor(tmp_path):
-    model_dir = save_tiny_model_dir(tmp_path / "tiny")
-    text = tmp_path / "train.txt"
-    text.write_text(SAMPLE_TEXT * 4)
-    lin, out = tmp_path / "lin", tmp_path / "anchored"
-    assert main(["linearize", str(model_dir), "--train-corpus", str(text), "--seq-len", "64", "--transfer-tokens",
-                 "128", "--lora-tokens", "0", "--window", "8", "--feature-dim", "8", "--no-eval", "--out", str(lin),
-                 "--quiet"]) == 0
-    assert main(["recall", str(lin), "--linear-anchor", "--anchor-blocks", "0", "--no-eval", "--out", str(out),
-                 "--quiet"]) == 2  # refused before any work
-    assert not out.exists()
-    results = tmp_path / "anchored.json"
-    assert main(["recall", str(lin), "--sinks", "2", "--sparse-cache", "3", "--linear-anchor", "--anchor-corpus",
-                 str(text), "--anchor-blocks", "2", "--anchor-seq-len", "64", "--no-eval", "--out", str(out), "--json",
-                 str(results), "--quiet"]) == 0
-    data = json.loads(results.read_text())
-    assert data["recall"]["linear_anchor"] == {"corpus": str(text), "blocks": 2, "seq_len": 64}
-    assert set(data["linear_anchor"]["layers"]) == {"0", "1"}
-    model, _ = load(out)
-    for layer, module in hybrid_attention_modules(model).items():
-        assert module.hybrid.linear_anchor.tolist() == [data["linear_anchor"]["layers"][str(layer)]["alpha"],
-                                                       data["linear_anchor"]["layers"][str(layer)]["b"]]

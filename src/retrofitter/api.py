@@ -311,17 +311,6 @@ def set_recall(model: nn.Module, sinks: int = 0, sparse_cache: int = 0) -> list[
     return set_layers_recall(model, sinks, sparse_cache)
 
 
-def calibrate_linear_anchor(model: nn.Module, blocks: torch.Tensor, progress: bool = True) -> dict:
-    """Fit the linear anchor of every hybrid layer of a linearized ``model`` on ``blocks`` [N, seq_len], in place
-    and training-free: the linear terms are then weighed by ``e^{b - alpha c_n}`` against the exact ones instead
-    of against the largest exact weight, so a cached key that matches far better than the rest wins as in
-    softmax (``ops.hybrid_anchor``; ``save`` keeps it). Set the sinks and sparse cache first: the fit sees the
-    exact set. Returns the per-layer fit (``pipelines.linear_anchor``)."""
-    from .pipelines.linear_anchor import calibrate_linear_anchor as calibrate
-
-    return calibrate(model, blocks, progress)
-
-
 def finetune_lora(model: nn.Module, blocks: torch.Tensor, config=None, progress: bool = True):
     """LoLCATs stage 2 alone on any model (e.g. the original, as the control of a linearization): LoRA on the
     attention projections with next-token loss on ``blocks`` [N, seq_len], merged; returns ``(model, report)``."""

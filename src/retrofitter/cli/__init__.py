@@ -115,13 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
     recall.add_argument("--probe-count", type=int, default=4, help="retrieval probes of the ranking (default 4)")
     recall.add_argument("--probe-tokens", type=int, default=1024, help="length of each retrieval probe (default 1024)")
-    recall.add_argument("--linear-anchor", action="store_true",
-                        help="fit each layer's linear anchor: the history weighed by e^(b - alpha c_n) against the exact "
-                             "keys, so a cached key that matches far better than the rest wins (docs/recall.md)")
-    recall.add_argument("--anchor-corpus", default="wiki-calib", help="calibration text of --linear-anchor")
-    recall.add_argument("--anchor-blocks", type=int, default=2, help="calibration blocks of --linear-anchor (default 2)")
-    recall.add_argument("--anchor-seq-len", type=int, default=2048,
-                        help="tokens per calibration block of --linear-anchor (default 2048)")
     add_job_flags(recall)
 
     heal = commands.add_parser("heal", help="distillation from the original model (LoRA, merged) that heals a "
@@ -271,8 +264,6 @@ def cmd_recall(args) -> int:
     return show_results(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
                             keep_softmax_top=args.keep_softmax_top, probe_corpus=args.probe_corpus,
                             probe_tokens=args.probe_tokens, probe_count=args.probe_count,
-                            linear_anchor=args.linear_anchor, anchor_corpus=args.anchor_corpus,
-                            anchor_blocks=args.anchor_blocks, anchor_seq_len=args.anchor_seq_len,
                             eval_config=eval_config(args, 512), overwrite=args.overwrite, dtype=args.dtype,
                             device=args.device, progress=not args.quiet), args)
 

@@ -85,7 +85,6 @@ class ResultsRecord:
     # --- recall ---
     recall: dict | Absent = ABSENT  # sinks, sparse cache, hybrid and kept-softmax layers
     recall_ranking: dict | Absent = ABSENT  # per-layer recall gains when layers were kept
-    linear_anchor: dict | Absent = ABSENT  # per-layer fitted linear anchor (recall --linear-anchor)
 
     @classmethod
     def section_names(cls) -> tuple[str, ...]:

@@ -3,21 +3,18 @@
 Loads a linearized model (a ``linearize`` output), optionally gives softmax attention back to the
 ``keep_softmax_top`` layers with the largest recall gain (``api.keep_softmax_for_recall``, probes hidden
 in ``probe_corpus``), sets ``sinks`` attention sinks and a ``sparse_cache`` of that many keys per layer and
-kv head (``api.set_recall``), with ``linear_anchor`` fits each layer's linear anchor on ``anchor_blocks``
-blocks of ``anchor_seq_len`` tokens of ``anchor_corpus`` (``api.calibrate_linear_anchor``), saves to ``out``
-and evaluates. No trained weight changes.
+kv head (``api.set_recall``), saves to ``out`` and evaluates. No weight changes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..api import calibrate_linear_anchor, evaluate_record, keep_softmax_for_recall, recall_probes, set_recall
+from ..api import evaluate_record, keep_softmax_for_recall, recall_probes, set_recall
 from ..checkpoint import conversion_metadata, is_retrofitted_dir, read_retrofitter_json
 from ..config import EvalConfig
 from ..data.corpora import check_corpus
 from ..preflight import eval_lengths
-from .compress import corpus_calibration_blocks
 from .scaffold import NO_EVAL, OutputJob, load_checked
 
 __all__ = ["recall_job"]
@@ -25,8 +22,6 @@ __all__ = ["recall_job"]
 
 def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_softmax_top: int = 0,
                probe_corpus: str = "wiki-calib", probe_tokens: int = 1024, probe_count: int = 4,
-               linear_anchor: bool = False, anchor_corpus: str = "wiki-calib", anchor_blocks: int = 2,
-               anchor_seq_len: int = 2048,
                eval_config: EvalConfig = NO_EVAL, overwrite: bool = False, dtype="float32", device="cpu",
                progress: bool = True) -> dict:
     """The steps of the module docstring; returns the results record (with ``recall`` settings and, when
@@ -41,11 +36,6 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
         check_corpus(probe_corpus, "--probe-corpus")
         if probe_count < 1 or probe_tokens < 64:
             raise ValueError(f"--probe-count must be >= 1 and --probe-tokens >= 64; got {probe_count}, {probe_tokens}")
-    if linear_anchor:
-        check_corpus(anchor_corpus, "--anchor-corpus")
-        if anchor_blocks < 1 or anchor_seq_len < 64:
-            raise ValueError(f"--anchor-blocks must be >= 1 and --anchor-seq-len >= 64; got {anchor_blocks}, "
-                             f"{anchor_seq_len}")
     job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_dir}, device=device).one_process("recall")
     with job.writing():
         model, tokenizer = load_checked(model_dir, eval_lengths(eval_config), dtype=dtype, device=device)
@@ -54,14 +44,8 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
             probes = recall_probes(tokenizer, probe_corpus, count=probe_count, context_tokens=probe_tokens)
             report = keep_softmax_for_recall(model, probes, keep_softmax_top, progress=progress)
         layers = set_recall(model, sinks, sparse_cache)
-        anchor = {}
-        if linear_anchor:  # after set_recall: the fit sees the exact set (window, sinks, cache)
-            blocks = corpus_calibration_blocks(tokenizer, anchor_corpus, anchor_seq_len, anchor_blocks)
-            anchor = calibrate_linear_anchor(model, blocks, progress=progress)
         metadata = conversion_metadata(model_dir)
         recall = {"sinks": sinks, "sparse_cache": sparse_cache, "hybrid_layers": layers,
-                  "linear_anchor": ({"corpus": anchor_corpus, "blocks": anchor_blocks, "seq_len": anchor_seq_len}
-                                    if linear_anchor else None),
                   "kept_softmax_layers": report.get("restored_softmax_layers", []), "source_dir": str(model_dir)}
         metadata["recall"] = recall
         job.save(model, tokenizer, metadata, overwrite)
@@ -70,6 +54,4 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
         record.add_sections(recall=recall)
         if report:
             record.add_sections(recall_ranking=report)
-        if anchor:
-            record.add_sections(linear_anchor=anchor)
         return job.results(record)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.hybrid_anchor import hybrid_anchor_moments
 from ..ops.hybrid_chunked import hybrid_attention_chunked
 from ..ops.hybrid_common import RecallSettings, get_linear_weight, get_window_kind
 from ..ops.hybrid_naive import hybrid_attention_naive
@@ -56,9 +55,6 @@ class HybridLinearAttention(nn.Module):
         softmax_scale: defaults to 1/sqrt(head_dim).
         sinks: first tokens always attended exactly (attention sinks); 0 = none.
         sparse_cache: keys per kv head kept for exact attention by recall error (LoLA); 0 = none.
-        linear_anchor: give the layer a ``linear_anchor`` buffer ``[2, h]`` (rows alpha, b; zeros = LoLCATs'
-            pegged mix exactly): the linear terms are weighed by ``e^{b - alpha c_n}`` (``ops.hybrid_common``),
-            fitted by ``ops.hybrid_anchor`` on calibration text.
     """
 
     def __init__(
@@ -76,7 +72,6 @@ class HybridLinearAttention(nn.Module):
         softmax_scale: float | None = None,
         sinks: int = 0,
         sparse_cache: int = 0,
-        linear_anchor: bool = False,
     ):
         super().__init__()
         if n_kv_heads < 1 or n_heads % n_kv_heads != 0:
@@ -99,9 +94,6 @@ class HybridLinearAttention(nn.Module):
         self.feature_map_q = build_feature_map(feature_map, n_heads, head_dim, feature_dim)
         self.feature_map_k = build_feature_map(feature_map, n_heads, head_dim, feature_dim)
         self.mix_logit = nn.Parameter(torch.full((n_heads,), float(mix_init)))  # theta
-        self.register_buffer("linear_anchor", None)  # [2, h] when set; None buffers are not saved
-        if linear_anchor:
-            self.set_linear_anchor(torch.zeros(2, n_heads))
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -112,22 +104,6 @@ class HybridLinearAttention(nn.Module):
     def set_recall(self, sinks: int, sparse_cache: int) -> None:
         """Change the sinks / sparse-cache sizes (no weights depend on them; a live decode state must be rebuilt)."""
         self.recall = RecallSettings(sinks=int(sinks), sparse_cache=int(sparse_cache))
-
-    def set_linear_anchor(self, anchor: torch.Tensor | None) -> None:
-        """Set (``[2, h]``: rows alpha, b) or remove (None) the linear anchor; saved with the weights."""
-        if anchor is not None:
-            if tuple(anchor.shape) != (2, self.n_heads) or not bool(torch.isfinite(anchor).all()):
-                raise ValueError(f"linear anchor must be finite [2, {self.n_heads}]; got {tuple(anchor.shape)}")
-            anchor = anchor.detach().to(device=self.mix_logit.device, dtype=torch.float32).clone()
-        self.linear_anchor = anchor
-
-    def anchor_moments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Regression moments ``[5, h]`` of this layer's pegged mix on q, k, v (``ops.hybrid_anchor``; O(n^2))."""
-        self._check_shapes(q, k, v)
-        kwargs = {key: value for key, value in self._op_kwargs().items() if key != "anchor"}
-        return hybrid_anchor_moments(q, k, v, window=self.window, window_kind=self.window_kind,
-                                     key_padding_mask=key_padding_mask, recall=self.recall, **kwargs)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: both feature maps and theta."""
@@ -174,7 +150,6 @@ class HybridLinearAttention(nn.Module):
             gamma=self.gamma,
             linear_weight=self.linear_weight,
             softmax_scale=self.softmax_scale,
-            anchor=self.linear_anchor,
         )
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -241,6 +216,5 @@ class HybridLinearAttention(nn.Module):
         return (
             f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
             f"window_kind={self.window_kind!r}, linear_weight={self.linear_weight!r}, execution={self.execution!r}, "
-            f"sinks={self.recall.sinks}, sparse_cache={self.recall.sparse_cache}, "
-            f"linear_anchor={self.linear_anchor is not None}"
+            f"sinks={self.recall.sinks}, sparse_cache={self.recall.sparse_cache}"
         )

@@ -33,8 +33,6 @@ import torch.nn.functional as F
 from .hybrid_common import (
     FeatureMapFn,
     RecallSettings,
-    anchor_factor,
-    check_anchor,
     check_hybrid_inputs,
     compaction_order,
     compute_dtype_for,
@@ -77,7 +75,6 @@ def hybrid_attention_chunked(
     softmax_scale: float | None = None,
     return_state: bool = False,
     recall: RecallSettings = RecallSettings(),
-    anchor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridRecurrentState | None]:
     """Hybrid attention in chunks of ``window`` queries.
 
@@ -86,7 +83,6 @@ def hybrid_attention_chunked(
     last real token of every row when ``return_state`` (for decoding), else None.
     """
     check_hybrid_inputs(q, k, v, key_padding_mask, gamma, window)
-    check_anchor(anchor, q.shape[1])
     kind = get_window_kind(window_kind)
     lam_of = get_linear_weight(linear_weight)
     b, h, n, dh = q.shape
@@ -182,9 +178,6 @@ def hybrid_attention_chunked(
         linear_num = linear_num - sparse["linear_num"]
         linear_den = linear_den - sparse["linear_den"]
 
-    factor = anchor_factor(anchor, top, (g, r, 1, 1))  # e^{b - alpha c_n} per query, or None
-    if factor is not None:
-        lam = lam * factor
     y = (numerator + lam[..., None] * linear_num) / (denominator + lam * linear_den)[..., None]
     y = y.reshape(b, h, padded_len, dh)[:, :, :n]
     if order is not None:

@@ -4,7 +4,7 @@ Everything that defines *what* the hybrid layer computes lives here, so the thre
 (``hybrid_naive``, ``hybrid_chunked``, ``hybrid_recurrent``) cannot drift apart:
 
 * window kinds (which keys a query sees through the softmax),
-* how the linear terms are weighted (``1`` or ``1 - gamma``, times the anchor factor below),
+* how the linear terms are weighted (``1`` or ``1 - gamma``),
 * positions under padding, input validation, GQA grouping.
 
 Positions. Windows and tiles are counted in *real tokens* of each batch row: the real-token index
@@ -24,15 +24,6 @@ Window kinds, for query real-index ``n`` and key real-index ``i`` (``W_n``):
 Keys ``i <= n`` outside ``W_n`` go to the linear state. Both kinds are monotone (a key that left
 the window never comes back), which is what lets the recurrent execution evict into ``S, z``.
 Key ``i`` leaves at query ``leave_position(i)`` (sliding ``i + w``; terraced ``(floor(i/t) + 2) t``).
-
-Linear anchor (optional, ``anchor [2, h]`` = rows ``alpha, b``). LoLCATs weighs the linear terms
-against the exact terms *after* the exact max ``c_n`` is subtracted from the latter: the linear part's
-weight is pegged to the strongest exact key, so a key that matches far better than everything else (a
-needle in the sparse cache) gains nothing over the history. With an anchor the linear terms are multiplied
-by ``e^{b - alpha c_n}``: ``alpha = 1`` gives the softmax's own normalisation (the linear terms estimate
-``e^{q.k/sqrt(d)}`` up to a fixed factor ``e^b``, so both sides of the mix are divided by ``e^{c_n}``),
-``alpha = 0, b = 0`` is LoLCATs' pegged mix exactly. ``ops.hybrid_anchor`` fits both per head on
-calibration text (no training).
 
 Recall (issue: linearized models that remember), two additions to the exact part, both optional:
 
@@ -67,8 +58,6 @@ __all__ = [
     "recall_error",
     "get_window_kind",
     "get_linear_weight",
-    "anchor_factor",
-    "check_anchor",
     "compute_dtype_for",
     "real_token_positions",
     "compaction_order",
@@ -211,27 +200,6 @@ def get_linear_weight(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in LINEAR_WEIGHTS:
         raise ValueError(f"unknown linear_weight {name!r}; choose one of {sorted(LINEAR_WEIGHTS)}")
     return LINEAR_WEIGHTS[name]
-
-
-def anchor_factor(anchor: torch.Tensor | None, top: torch.Tensor, head_shape: tuple[int, ...]) -> torch.Tensor | None:
-    """``e^{b_h - alpha_h c_n}``, the multiplier of the linear terms (module docstring), or None without an anchor.
-
-    anchor ``[2, h]`` (rows alpha, b); top: the exact max ``c_n`` in any layout whose head axes, viewed as
-    ``head_shape`` (``h`` split as the execution splits it, broadcasting against ``top``), come first after
-    the batch axis.
-    """
-    if anchor is None:
-        return None
-    slope, offset = (row.to(top.dtype).view(1, *head_shape) for row in anchor)
-    return torch.exp(offset - slope * top)
-
-
-def check_anchor(anchor: torch.Tensor | None, n_heads: int) -> None:
-    """An anchor is None or ``[2, h]`` (rows alpha, b) of finite numbers."""
-    if anchor is None:
-        return
-    if tuple(anchor.shape) != (2, n_heads):
-        raise ValueError(f"linear anchor must have shape [2, h={n_heads}] (rows alpha, b); got {tuple(anchor.shape)}")
 
 
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:

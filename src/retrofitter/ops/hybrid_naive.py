@@ -6,10 +6,9 @@ For query ``n`` of head ``h`` (kv head ``h // (H/G)``), with ``W_n`` the softmax
     c_n  = max_{i in W_n} q_n.k_i / sqrt(d)
     U_n  = sum_{i in W_n} gamma e^{q_n.k_i/sqrt(d) - c_n} v_i,    D_n = sum_{i in W_n} gamma e^{...}
     S_n  = sum_{i <= n, i not in W_n} phi_k(k_i) v_i^T,          z_n = sum_{...} phi_k(k_i)
-    y_n  = (U_n + lam a_n phi_q(q_n)^T S_n) / (D_n + lam a_n phi_q(q_n)^T z_n)
+    y_n  = (U_n + lam phi_q(q_n)^T S_n) / (D_n + lam phi_q(q_n)^T z_n)
 
-with ``gamma = sigmoid(theta_h)``, ``lam = 1``, ``1 - gamma`` or ``0`` (``linear_weight``) and ``a_n = 1``
-or, with a linear anchor, ``e^{b_h - alpha_h c_n}`` (``hybrid_common``). With
+with ``gamma = sigmoid(theta_h)`` and ``lam = 1``, ``1 - gamma`` or ``0`` (``linear_weight``). With
 sinks and a sparse cache (``recall``, see ``hybrid_common``) the exact set is ``W_n`` + the sinks +
 the cache at ``n`` (``C_n``: the ``M`` top-ranked keys that left the window), and S, z hold the other
 older keys; ``c_n`` is the max over the whole exact set. Note that
@@ -32,8 +31,6 @@ from .hybrid_common import (
     exact_contains,
     outranks,
     recall_error,
-    anchor_factor,
-    check_anchor,
     compute_dtype_for,
     get_linear_weight,
     get_window_kind,
@@ -41,7 +38,7 @@ from .hybrid_common import (
 )
 from .hybrid_recurrent import HybridRecurrentState, prefill_state
 
-__all__ = ["hybrid_attention_naive", "hybrid_terms_naive"]
+__all__ = ["hybrid_attention_naive"]
 
 
 def hybrid_attention_naive(
@@ -59,7 +56,6 @@ def hybrid_attention_naive(
     softmax_scale: float | None = None,
     return_state: bool = False,
     recall: RecallSettings = RecallSettings(),
-    anchor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridRecurrentState | None]:
     """Hybrid attention by materialising all ``n x n`` scores.
 
@@ -69,45 +65,10 @@ def hybrid_attention_naive(
         gamma: ``[h]`` mixing weights in (0, 1).
         window: window width (sliding) or tile size (terraced).
         key_padding_mask: ``[b, n]`` bool, True = real token. Padded outputs are zero.
-        anchor: ``[2, h]`` linear anchor (``hybrid_common``), None = LoLCATs' pegged mix.
 
     Returns:
         ``(y [b, h, n, dh] in q.dtype, state)``; ``state`` is the recurrent state after the last
         real token of every row when ``return_state``, else None (same signature as the chunked path).
-    """
-    check_anchor(anchor, q.shape[1])
-    terms = hybrid_terms_naive(q, k, feature_map_q=feature_map_q, feature_map_k=feature_map_k, gamma=gamma,
-                               window=window, window_kind=window_kind, linear_weight=linear_weight, v=v,
-                               key_padding_mask=key_padding_mask, softmax_scale=softmax_scale, recall=recall)
-    linear = terms["linear"]
-    factor = anchor_factor(anchor, terms["max_logit"], (q.shape[1], 1, 1))
-    if factor is not None:
-        linear = linear * factor
-    all_weights = terms["exact"] + linear
-    numerator = all_weights @ terms["values"]
-    denominator = all_weights.sum(dim=-1, keepdim=True)
-    y = numerator / denominator
-    y = torch.where(terms["real_query"], y, torch.zeros_like(y))
-    state = None
-    if return_state:
-        state = prefill_state(
-            k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=q.shape[1], window=window,
-            window_kind=window_kind, recall=recall,
-        )
-    return y.to(q.dtype), state
-
-
-def hybrid_terms_naive(q, k, *, v, feature_map_q: FeatureMapFn, feature_map_k: FeatureMapFn, gamma: torch.Tensor,
-                       window: int, window_kind: str = "sliding", linear_weight: str = "one",
-                       key_padding_mask: torch.Tensor | None = None, softmax_scale: float | None = None,
-                       recall: RecallSettings = RecallSettings()) -> dict[str, torch.Tensor]:
-    """Every ``[b, h, n, n]`` term of the definition (shapes as ``hybrid_attention_naive``'s), computed in
-    ``compute_dtype_for(q.dtype)``:
-
-    ``logits`` q.k/sqrt(d) of every key (-inf where not causal or padded), ``in_exact`` / ``in_linear``
-    (bool: ``E_n`` and the keys in S_n, z_n), ``max_logit`` ``c_n [b, h, n, 1]``, ``exact`` the weights
-    ``gamma e^{logit - c_n}`` (0 outside ``E_n``), ``linear`` ``lam phi_q(q_n).phi_k(k_i)`` (0 outside the
-    history), ``values`` v per query head ``[b, h, n, dh]``, ``real_query`` ``[b, 1, n, 1]``.
     """
     check_hybrid_inputs(q, k, v, key_padding_mask, gamma, window)
     kind = get_window_kind(window_kind)
@@ -133,18 +94,28 @@ def hybrid_terms_naive(q, k, *, v, feature_map_q: FeatureMapFn, feature_map_k: F
         in_window = in_window | _sparse_members(k_c, v_c, feature_map_k, positions, kind, window, recall, groups)
     in_linear = causal_real & ~in_window
 
-    raw_logits = torch.einsum("bhnd,bhid->bhni", q_c, k_c) * scale
+    logits = torch.einsum("bhnd,bhid->bhni", q_c, k_c) * scale
     # Padded queries have an empty window; give them all keys so c_n stays finite (output zeroed).
     softmax_keys = in_window | ~real_query
-    logits = raw_logits.masked_fill(~softmax_keys, float("-inf"))
+    logits = logits.masked_fill(~softmax_keys, float("-inf"))
     max_logit = logits.amax(dim=-1, keepdim=True)  # c_n
     weights = gamma_c * torch.exp(logits - max_logit)  # exactly 0 outside the window
 
     linear_scores = torch.einsum("bhnf,bhif->bhni", feature_map_q(q_c), feature_map_k(k_c))
     linear_scores = lam * linear_scores.masked_fill(~in_linear, 0.0)
-    return dict(logits=raw_logits.masked_fill(~causal_real, float("-inf")), in_exact=in_window & causal_real,
-                in_linear=in_linear, max_logit=max_logit, exact=weights, linear=linear_scores, values=v_c,
-                real_query=real_query)
+
+    all_weights = weights + linear_scores
+    numerator = all_weights @ v_c
+    denominator = all_weights.sum(dim=-1, keepdim=True)
+    y = numerator / denominator
+    y = torch.where(real_query, y, torch.zeros_like(y))
+    state = None
+    if return_state:
+        state = prefill_state(
+            k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind,
+            recall=recall,
+        )
+    return y.to(q.dtype), state
 
 
 def _sparse_members(k_h, v_h, feature_map_k, positions, kind, window: int, recall: RecallSettings,

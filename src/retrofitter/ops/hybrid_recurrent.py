@@ -12,8 +12,7 @@ One step with a new token at real index ``L`` (the same math as ``hybrid_naive``
 2. ``k_L, v_L`` go into slot ``L mod s`` (its previous occupant ``L - s`` just left), and into sink
    slot ``L`` when ``L < sinks``;
 3. ``y_L = (sum_E gamma e^{q.k/sqrt(d) - c_L} v + lam phi_q(q)^T S) / (sum_E gamma e^{...} + lam phi_q(q)^T z)``
-   over the exact keys ``E`` = window, sinks outside it, cached keys; ``c_L`` their exact max (with a
-   linear anchor, ``lam`` is multiplied by ``e^{b - alpha c_L}``, ``hybrid_common``).
+   over the exact keys ``E`` = window, sinks outside it, cached keys; ``c_L`` their exact max.
 
 Rows whose token is not valid (``valid_t`` False, e.g. left padding fed step by step) keep their
 state unchanged and output zeros.
@@ -25,8 +24,7 @@ import math
 
 import torch
 
-from .hybrid_common import (FeatureMapFn, anchor_factor, check_anchor, get_linear_weight, get_window_kind,
-                            recall_error, select_top)
+from .hybrid_common import FeatureMapFn, get_linear_weight, get_window_kind, recall_error, select_top
 from .hybrid_state import HybridRecurrentState, prefill_state
 
 __all__ = ["HybridRecurrentState", "hybrid_recurrent_step", "prefill_state"]
@@ -102,7 +100,6 @@ def hybrid_recurrent_step(
     gamma: torch.Tensor,
     linear_weight: str = "one",
     softmax_scale: float | None = None,
-    anchor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridRecurrentState]:
     """One decode step. q_t ``[b, h, 1, dh]``, k_t/v_t ``[b, g, 1, dh]``, valid_t ``[b]`` bool.
 
@@ -119,7 +116,6 @@ def hybrid_recurrent_step(
         )
     if state.kv_state.shape[:2] != (b, h):
         raise ValueError(f"state is for batch/heads {tuple(state.kv_state.shape[:2])}, query is {(b, h)}")
-    check_anchor(anchor, h)
     groups = h // g
     dtype = state.kv_state.dtype
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dh)
@@ -187,12 +183,8 @@ def hybrid_recurrent_step(
     logits = torch.einsum("bhqd,bhsd->bhqs", q_c, exact_k.to(dtype).repeat_interleave(groups, dim=1)) * scale
     logits = logits.masked_fill(~exact[:, :, None, :], float("-inf"))
     gamma_c = gamma.to(dtype).view(1, h, 1, 1)
-    top = logits.amax(dim=-1, keepdim=True)  # c_L [b, h, 1, 1]
-    weights = gamma_c * torch.exp(logits - top)  # [b, h, 1, s+S+M]
+    weights = gamma_c * torch.exp(logits - logits.amax(dim=-1, keepdim=True))  # [b, h, 1, s+S+M]
     lam = lam_of(gamma.to(dtype)).view(1, h, 1, 1)
-    factor = anchor_factor(anchor, top, (h, 1, 1))  # e^{b - alpha c_L}, or None
-    if factor is not None:
-        lam = lam * factor
     phi_q = feature_map_q(q_c)  # [b, h, 1, F]
     numerator = weights @ exact_v.to(dtype).repeat_interleave(groups, dim=1) + lam * (phi_q @ new_state.kv_state)
     denominator = weights.sum(dim=-1, keepdim=True) + lam * (phi_q @ new_state.k_state.unsqueeze(-1))
