@@ -15,7 +15,7 @@ One table, SmolLM2-135M, every row measured in this run:
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
 --passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each; --trials-at LENGTH=N changes N at a
-length); the multi-key variant (--keys labelled keys, one asked; depths x --multikey-trials) at
+length; --row-trials LABEL@LENGTH=N for one row); the multi-key variant (--keys labelled keys, one asked; depths x --multikey-trials) at
 --multikey lengths; then (unless --rows-only) one interleaved eager decode
 benchmark (eval.bench_decode, batch 1, dynamic cache, contexts --contexts): tokens/s and the bytes of
 the filled cache at every context (every tensor reachable from it). A finished row is kept in
@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--trials-at", default="", metavar="LENGTH=N,...",
                         help="keys per depth at the given lengths instead of --trials (e.g. 4096=7,8192=2)")
+    parser.add_argument("--row-trials", default="", metavar="LABEL@LENGTH=N,...",
+                        help="keys per depth for one row at one length (e.g. swa-sinks-cache@8192=7)")
     parser.add_argument("--multikey", type=ints, default=(4096, 8192))
     parser.add_argument("--keys", type=int, default=2, help="labelled keys of the multi-key variant (SmolLM2-135M "
                         "itself recalls 2 of them, not 3)")
@@ -116,6 +118,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     trials_at = {n: args.trials for n in args.passkey}
     trials_at.update({int(k): int(v) for k, _, v in (item.partition("=") for item in args.trials_at.split(",") if item)})
+    row_trials: dict[str, dict[int, int]] = {}
+    for item in filter(None, args.row_trials.split(",")):
+        where, _, count = item.partition("=")
+        label, _, length = where.rpartition("@")
+        row_trials.setdefault(label, {})[int(length)] = int(count)
     (args.out / "rows").mkdir(parents=True, exist_ok=True)
 
     rows: dict[str, tuple] = {"original": ("original",)}
@@ -153,7 +160,7 @@ def main() -> None:
         model = build(spec, args.model, tokenizer, args.out)
         row = {"spec": list(spec), "ppl": {str(n): perplexities(model, b)["wiki-eval"] for n, b in blocks.items()}}
         print(f"[recall] {label} ppl {row['ppl']}", flush=True)
-        row["passkey"] = passkey_by_length(model, tokenizer, args.passkey, trials_at)
+        row["passkey"] = passkey_by_length(model, tokenizer, args.passkey, {**trials_at, **row_trials.get(label, {})})
         print(f"[recall] {label} passkey {row['passkey']['by_context']}", flush=True)
         if args.multikey:
             row["multikey"] = passkey_accuracy(model, tokenizer, context_lengths=args.multikey, keys=args.keys,
@@ -194,7 +201,8 @@ def table(record: dict) -> str:
     for label, row in rows.items():
         cells = [label] + [f"{row['ppl'][n]:.2f} ({row['ppl'][n] / base['ppl'][n]:.3f}×)" for n in ("512", "2048")]
         cells += [f"{row['passkey']['by_context'][str(n)]:.0%} ({_trials(row['passkey'], n)})" for n in lengths]
-        cells += [f"{row['multikey']['by_context'][str(n)]:.0%} ({_trials(row['multikey'], n)})" for n in multi]
+        cells += [f"{row['multikey']['by_context'][str(n)]:.0%} ({_trials(row['multikey'], n)})"
+                  if str(n) in row.get("multikey", {}).get("by_context", {}) else "—" for n in multi]
         entry = speed[label]["decode"]
         ref = speed["original"]["decode"]
         cells += [f"{entry[str(n)]['cache_bytes'] / 2**20:.1f} MiB ({entry[str(n)]['cache_bytes'] / ref[str(n)]['cache_bytes']:.3f}×)"
