@@ -15,8 +15,8 @@ One table, SmolLM2-135M, every row measured in this run:
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
 --passkey lengths (depths 0.1 / 0.5 / 0.9 x --trials keys each; --trials-at LENGTH=N changes N at a
-length; --row-trials LABEL@LENGTH=N for one row); the multi-key variant (--keys labelled keys, one asked; depths x --multikey-trials) at
---multikey lengths; then (unless --rows-only) one interleaved eager decode
+length; --row-trials LABEL@LENGTH=N at a length of one row); the multi-key variant (--keys labelled keys,
+one asked; depths x --multikey-trials) at --multikey lengths; then (unless --rows-only) one interleaved eager decode
 benchmark (eval.bench_decode, batch 1, dynamic cache, contexts --contexts): tokens/s and the bytes of
 the filled cache at every context (every tensor reachable from it). A finished row is kept in
 OUT/rows/ and skipped when the script runs again.
