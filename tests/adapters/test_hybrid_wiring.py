@@ -220,3 +220,22 @@ def test_set_recall_needs_a_linearized_model():
 
     with pytest.raises(ValueError, match="linearized model"):
         set_recall(build_tiny("llama"), sinks=4, sparse_cache=0)
+
+
+def test_layers_without_linear_part_keep_no_linear_state_and_decode_as_the_full_forward():
+    """swa-sinks(-cache): linear_weight "zero" keeps no S, z; the step skips their work and still equals the forward
+    (HF passes an all-real mask in every decode step: the step's unmasked path runs)."""
+    model = hybrid_model("llama", "sliding", linear_weight="zero", sinks=2, sparse_cache=3)
+    tokens = ids(length=30)
+    with torch.no_grad():
+        full = model(input_ids=tokens, use_cache=False).logits
+        cache = HybridCache(model)
+        stepped = decode_logits(model, tokens, prefill=9, cache=cache)
+    assert torch.allclose(stepped, full, atol=1e-10, rtol=0)
+    state = cache.layers[0].state
+    assert state.kv_state.shape[2] == 0 and state.k_state.shape[2] == 0 and state.score_kv.shape[2] > 0
+    layer = model.model.layers[0].self_attn
+    assert layer.state_bytes(2) == cache.layers[0].nbytes()
+    numbers = sum(t.numel() for name, t in state.tensors().items()
+                  if name not in ("positions", "valid", "num_tokens", "sparse_positions"))
+    assert layer.state_numbers(2) == numbers

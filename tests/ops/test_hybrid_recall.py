@@ -134,24 +134,27 @@ def decode(state, q, k, v, mask, w_q, w_k, theta, start, linear_weight="one"):
 
 @pytest.mark.parametrize("kind", ["sliding", "terraced"])
 @pytest.mark.parametrize("prefill_len", [0, 1, 9, 16])
-@pytest.mark.parametrize("sinks,cache", [(2, 3), (0, 2), (3, 0)])
-def test_decode_after_prefill_matches_naive(kind, prefill_len, sinks, cache):
+@pytest.mark.parametrize("sinks,cache,linear_weight", [(2, 3, "one"), (0, 2, "one"), (3, 0, "one"), (2, 3, "zero"),
+                                                       (3, 0, "zero")])
+def test_decode_after_prefill_matches_naive(kind, prefill_len, sinks, cache, linear_weight):
     n, window = 30, 4
     q, k, v, w_q, w_k, theta = make_problem(n=n)
     mask = left_padding(3, n, [0, 2, 12])  # row 2 is still padding after a 9-token prefill
-    kw = kwargs(w_q, w_k, theta, window, kind, mask, sinks=sinks, cache=cache)
+    kw = kwargs(w_q, w_k, theta, window, kind, mask, linear_weight=linear_weight, sinks=sinks, cache=cache)
     y_naive, _ = hybrid_attention_naive(q, k, v, **kw)
     recall = RecallSettings(sinks=sinks, sparse_cache=cache)
     if prefill_len == 0:
-        state = HybridRecurrentState.init(3, 4, 2, 6, 10, window=window, window_kind=kind, recall=recall, dtype=F64)
+        state = HybridRecurrentState.init(3, 4, 2, 6, 10, window=window, window_kind=kind, recall=recall, dtype=F64,
+                                          linear_state=linear_weight != "zero")
     else:
         sl = slice(0, prefill_len)
         y_pre, state = hybrid_attention_chunked(q[:, :, sl], k[:, :, sl], v[:, :, sl],
                                                 **{**kw, "key_padding_mask": mask[:, sl]}, return_state=True)
         assert torch.allclose(y_pre, y_naive[:, :, sl], atol=TOL, rtol=0)
-    y_dec, state = decode(state, q, k, v, mask, w_q, w_k, theta, prefill_len)
+    y_dec, state = decode(state, q, k, v, mask, w_q, w_k, theta, prefill_len, linear_weight)
     assert torch.allclose(y_dec, y_naive[:, :, prefill_len:], atol=TOL, rtol=0)
     assert state.num_tokens.tolist() == mask.sum(-1).tolist()
+    assert state.kv_state.shape[2] == (0 if linear_weight == "zero" else 10)  # no S, z without a linear part
     if cache:
         assert (state.sparse_positions >= 0).all()  # the cache is full: 30 tokens, window 4
 
@@ -164,14 +167,17 @@ def sorted_sparse(state):
 
 
 @pytest.mark.parametrize("kind", ["sliding", "terraced"])
-def test_prefill_state_equals_stepped_state(kind):
+@pytest.mark.parametrize("linear_weight", ["one", "zero"])
+def test_prefill_state_equals_stepped_state(kind, linear_weight):
     q, k, v, w_q, w_k, theta = make_problem(n=23)
     mask = left_padding(3, 23, [0, 1, 9])
     recall = RecallSettings(sinks=2, sparse_cache=3)
+    linear = linear_weight != "zero"
     from_prefill = prefill_state(k, v, mask, feature_map_k=hedgehog(w_k), n_heads=4, window=3, window_kind=kind,
-                                 recall=recall)
-    empty = HybridRecurrentState.init(3, 4, 2, 6, 10, window=3, window_kind=kind, recall=recall, dtype=F64)
-    _, from_steps = decode(empty, q, k, v, mask, w_q, w_k, theta, 0)
+                                 recall=recall, linear_state=linear)
+    empty = HybridRecurrentState.init(3, 4, 2, 6, 10, window=3, window_kind=kind, recall=recall, dtype=F64,
+                                      linear_state=linear)
+    _, from_steps = decode(empty, q, k, v, mask, w_q, w_k, theta, 0, linear_weight)
     sparse_steps, sparse_prefill = sorted_sparse(from_steps), sorted_sparse(from_prefill)
     for name, tensor in from_steps.tensors().items():
         other = from_prefill.tensors()[name]
@@ -193,6 +199,15 @@ def test_state_is_bounded(kind):
         sizes.append(state.nbytes())
     empty = HybridRecurrentState.init(1, 2, 1, 4, 6, window=8, window_kind=kind, recall=recall, dtype=F64)
     assert sizes[0] == sizes[1] == empty.nbytes()
+
+
+def test_state_without_linear_part_is_refused_by_a_linear_step():
+    q, k, v, w_q, w_k, theta = make_problem(n=3)
+    empty = HybridRecurrentState.init(3, 4, 2, 6, 10, window=3, recall=RecallSettings(sinks=1), dtype=F64,
+                                      linear_state=False)
+    assert empty.kv_state.shape == (3, 4, 0, 6) and empty.k_state.shape == (3, 4, 0)
+    with pytest.raises(ValueError, match="without a linear part"):
+        decode(empty, q, k, v, None, w_q, w_k, theta, 0, "one")
 
 
 def test_zero_linear_weight_is_window_plus_sinks_softmax():

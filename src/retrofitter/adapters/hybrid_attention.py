@@ -242,14 +242,15 @@ class HybridSelfAttention(nn.Module):
 
     def state_numbers(self, batch_size: int = 1) -> int:
         """Numbers in the constant decode state: ring buffer k, v ``2·b·g·s·dh`` + S, z ``b·h·F·(dh + 1)``
-        (s = ``hybrid.buffer_size``, from the window kind) + sink k, v ``2·b·g·S·dh`` + sparse cache k, v
-        and errors ``b·g·M·(2 dh + 1)`` with its scoring state ``b·h·F·(dh + 1)`` when ``M > 0``;
-        bookkeeping tensors (positions, flags, counts) aside."""
+        (none with ``linear_weight="zero"``; s = ``hybrid.buffer_size``, from the window kind) + sink k, v
+        ``2·b·g·S·dh`` + sparse cache k, v and errors ``b·g·M·(2 dh + 1)`` with its scoring state
+        ``b·h·F·(dh + 1)`` when ``M > 0``; bookkeeping tensors (positions, flags, counts) aside."""
         ring = self.hybrid.buffer_size
         features = self.hybrid.feature_map_q.output_dim
         sinks, cached = self.hybrid.recall.sinks, self.hybrid.recall.sparse_cache
         linear = self.n_heads * features * (self.head_dim + 1)
-        per_row = (2 * self.n_kv_heads * (ring + sinks) * self.head_dim + linear
+        history = linear if self.hybrid.linear_weight != "zero" else 0
+        per_row = (2 * self.n_kv_heads * (ring + sinks) * self.head_dim + history
                    + self.n_kv_heads * cached * (2 * self.head_dim + 1) + (linear if cached else 0))
         return batch_size * per_row
 
@@ -260,10 +261,10 @@ class HybridSelfAttention(nn.Module):
         return self.hybrid.state_bytes(batch_size, next(self.projection("k").parameters()).dtype)
 
     def attention_macs_per_token(self, context: int) -> int:
-        """q·k and p·v over the window, sinks and sparse cache plus phi_q^T S and the state update
-        (bounded in the context)."""
+        """q·k and p·v over the window, sinks and sparse cache plus phi_q^T S and the state update (none with
+        ``linear_weight="zero"``; bounded in the context)."""
         ring = self.hybrid.buffer_size + self.hybrid.recall.sinks + self.hybrid.recall.sparse_cache
-        features = self.hybrid.feature_map_q.output_dim
+        features = self.hybrid.feature_map_q.output_dim if self.hybrid.linear_weight != "zero" else 0
         window = min(context, ring)
         return 2 * self.n_heads * self.head_dim * window + 2 * self.n_heads * features * (self.head_dim + 1)
 

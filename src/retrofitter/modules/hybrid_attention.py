@@ -120,7 +120,7 @@ class HybridLinearAttention(nn.Module):
         Exactly the tensors ``init_state`` / the executions build (built on the meta device, so
         nothing is allocated): ring buffer k, v ``[b, g, s, dh]`` in ``dtype``; slot positions
         ``[b, s]`` int64 and validity ``[b, s]`` bool; S ``[b, h, F, dh]`` and z ``[b, h, F]`` in
-        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16); ``num_tokens`` ``[b]`` int64; sink
+        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16; width 0 with ``linear_weight="zero"``); ``num_tokens`` ``[b]`` int64; sink
         k, v ``[b, g, S, dh]``; sparse cache k, v ``[b, g, M, dh]``, errors ``[b, g, M]`` (compute
         dtype), positions ``[b, g, M]`` int64 and, when ``M > 0``, the scoring state ``S_all, z_all``.
         """
@@ -141,6 +141,7 @@ class HybridLinearAttention(nn.Module):
             recall=self.recall,
             dtype=dtype,
             device=device,
+            linear_state=self.linear_weight != "zero",
         )
 
     def _op_kwargs(self) -> dict:
@@ -203,6 +204,10 @@ class HybridLinearAttention(nn.Module):
                 f"{state.sparse_cache}; layer uses {self.window_kind} window {self.window}, {self.recall.sinks} sinks, "
                 f"sparse cache {self.recall.sparse_cache}"
             )
+        if key_padding_mask is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+            # All real (HF passes a mask in every decode step): the step then skips its masking work. Not on
+            # an accelerator, where reading the flag would stall the launch queue.
+            key_padding_mask = None if bool(key_padding_mask.all()) else key_padding_mask
         outputs = []
         # Continuation is a loop of single steps: decoding adds one token at a time, and the
         # step is the path that is exactly the naive math on the buffered window.

@@ -187,6 +187,6 @@ def hybrid_attention_chunked(
     if return_state:
         state = prefill_state(
             k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind,
-            recall=recall, scores=key_errors if sparse is not None else None,
+            recall=recall, scores=key_errors if sparse is not None else None, linear_state=linear_weight != "zero",
         )
     return y.to(q.dtype), state

@@ -113,6 +113,8 @@ class WindowKind:
     buffer). The chunked execution uses chunks of ``window`` queries; for both kinds every key
     two or more chunks back is outside the window. ``leave_position(key_pos, window)`` is the first
     query that no longer sees the key; every key of chunk ``j - leave_lag`` leaves inside chunk ``j``.
+    ``evicts_write_slot``: the only key that can leave when token ``L`` arrives sits in the ring slot ``L`` is
+    written to (sliding: ``L - w`` in slot ``L mod w``), so writing the new key clears it.
     """
 
     name: str
@@ -121,6 +123,7 @@ class WindowKind:
     eviction_slots: Callable[[torch.Tensor, int], torch.Tensor]
     leave_position: Callable[[torch.Tensor, int], torch.Tensor]
     leave_lag: int
+    evicts_write_slot: bool = False  # the safe default: clear the evicted slots explicitly
 
     def buffer_size(self, window: int) -> int:
         """Ring-buffer length ``s = buffer_factor * window``: keys (and values) the decode state keeps."""
@@ -129,9 +132,9 @@ class WindowKind:
 
 WINDOW_KINDS: dict[str, WindowKind] = {
     "sliding": WindowKind("sliding", _sliding_contains, buffer_factor=1, eviction_slots=_sliding_evictions,
-                          leave_position=_sliding_leave, leave_lag=1),
+                          leave_position=_sliding_leave, leave_lag=1, evicts_write_slot=True),
     "terraced": WindowKind("terraced", _terraced_contains, buffer_factor=2, eviction_slots=_terraced_evictions,
-                           leave_position=_terraced_leave, leave_lag=2),
+                           leave_position=_terraced_leave, leave_lag=2, evicts_write_slot=False),
 }
 
 # Weight of the linear (history) terms given gamma = sigmoid(theta), shape [h].

@@ -113,7 +113,7 @@ def hybrid_attention_naive(
     if return_state:
         state = prefill_state(
             k, v, key_padding_mask, feature_map_k=feature_map_k, n_heads=h, window=window, window_kind=window_kind,
-            recall=recall,
+            recall=recall, linear_state=linear_weight != "zero",
         )
     return y.to(q.dtype), state
 

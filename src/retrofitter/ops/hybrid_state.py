@@ -7,7 +7,8 @@ State per batch row (``s`` = ring-buffer size: ``w`` for sliding, ``2t`` for ter
   of each slot ``[b, s]`` (-1 = empty) and its validity ``[b, s]``;
 * ``S = sum phi_k(k_i) v_i^T`` ``[b, h, F, dh]`` and ``z = sum phi_k(k_i)`` ``[b, h, F]`` over the
   keys that left the window and are neither sinks nor in the sparse cache (per *query* head,
-  because the feature maps are per query head);
+  because the feature maps are per query head); width 0 (``[b, h, 0, dh]``, ``[b, h, 0]``) for a
+  layer without a linear part (``linear_weight="zero"``: nothing reads them, so nothing keeps them);
 * sink keys/values ``[b, g, S, dh]`` (slot ``p`` holds real token ``p``);
 * sparse cache keys/values ``[b, g, M, dh]``, their recall errors ``[b, g, M]`` and real-token
   indices ``[b, g, M]`` (-1 = empty slot), and the scoring state ``S_all, z_all`` (``[b, h, F, dh]``,
@@ -80,22 +81,25 @@ class HybridRecurrentState:
         recall: RecallSettings = RecallSettings(),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        linear_state: bool = True,
     ) -> "HybridRecurrentState":
         """Empty state. ``feature_dim`` is the feature map's output size F; ``dtype`` that of k, v
-        (S, z and the errors are kept in at least float32 so long histories do not lose precision)."""
+        (S, z and the errors are kept in at least float32 so long histories do not lose precision).
+        ``linear_state=False``: S, z of width 0 (a layer whose linear terms weigh 0)."""
         size = get_window_kind(window_kind).buffer_size(window)
         state_dtype = compute_dtype_for(dtype)
         b, g, h, S, M = batch_size, n_kv_heads, n_heads, recall.sinks, recall.sparse_cache
         kv = dict(dtype=dtype, device=device)
         acc = dict(dtype=state_dtype, device=device)
         scored = feature_dim if M else 0
+        linear = feature_dim if linear_state else 0
         return cls(
             keys=torch.zeros(b, g, size, head_dim, **kv),
             values=torch.zeros(b, g, size, head_dim, **kv),
             positions=torch.full((b, size), -1, dtype=torch.long, device=device),
             valid=torch.zeros(b, size, dtype=torch.bool, device=device),
-            kv_state=torch.zeros(b, h, feature_dim, head_dim, **acc),
-            k_state=torch.zeros(b, h, feature_dim, **acc),
+            kv_state=torch.zeros(b, h, linear, head_dim, **acc),
+            k_state=torch.zeros(b, h, linear, **acc),
             num_tokens=torch.zeros(b, dtype=torch.long, device=device),
             sink_keys=torch.zeros(b, g, S, head_dim, **kv),
             sink_values=torch.zeros(b, g, S, head_dim, **kv),
@@ -184,9 +188,11 @@ def prefill_state(
     window_kind: str = "sliding",
     recall: RecallSettings = RecallSettings(),
     scores: torch.Tensor | None = None,
+    linear_state: bool = True,
 ) -> HybridRecurrentState:
     """State after the tokens of ``k, v`` ``[b, g, n, dh]`` (mask ``[b, n]``, True = real); ``scores``: the
-    ``recall_scores`` of these keys when the caller has them already (computed here otherwise).
+    ``recall_scores`` of these keys when the caller has them already (computed here otherwise);
+    ``linear_state=False``: S, z of width 0 (``HybridRecurrentState.init``).
 
     Equals the state that ``hybrid_recurrent_step`` reaches after those tokens: the buffer holds
     ``W_{L-1}`` (window of the last real token, at slots ``i mod s``), the sinks their buffer, the
@@ -214,10 +220,12 @@ def prefill_state(
     k_heads = k.to(dtype).repeat_interleave(groups, dim=1)  # [b, h, n, dh]
     v_heads = v.to(dtype).repeat_interleave(groups, dim=1)
     phi_all = feature_map_k(k_heads)  # [b, h, n, F]
-    phi_k = phi_all * in_linear[..., None]
     state = HybridRecurrentState.init(b, n_heads, g, dh, phi_all.shape[-1], window=window, window_kind=window_kind,
-                                      recall=recall, dtype=k.dtype, device=k.device)
-    tensors = dict(kv_state=torch.einsum("bhnf,bhnd->bhfd", phi_k, v_heads), k_state=phi_k.sum(dim=2))
+                                      recall=recall, dtype=k.dtype, device=k.device, linear_state=linear_state)
+    tensors = {}
+    if linear_state:
+        phi_k = phi_all * in_linear[..., None]
+        tensors.update(kv_state=torch.einsum("bhnf,bhnd->bhfd", phi_k, v_heads), k_state=phi_k.sum(dim=2))
     order = compaction_order(key_padding_mask) if key_padding_mask is not None else None
 
     def gather_real(x: torch.Tensor, real_index: torch.Tensor, keep_slot: torch.Tensor) -> torch.Tensor:
