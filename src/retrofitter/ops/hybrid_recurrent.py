@@ -116,15 +116,15 @@ def _replace_last_ranked(state: HybridRecurrentState, k_out, v_out, scores, out_
     new_pos = out_pos[:, None, :].expand(b, g, 1)
     new_score = scores.to(state.sparse_scores.dtype)
     enters = stored[:, None, :] & outranks(new_score, new_pos, lowest, ties.gather(2, slot))  # [b, g, 1]
-    vec = slot[..., None].expand(b, g, 1, dh)
+    hit = (torch.arange(filled.shape[-1], device=filled.device) == slot) & enters  # [b, g, M]: the slot taken
 
     def put(x, new):
-        index = vec if x.dim() == 4 else slot
-        return x.scatter(2, index, torch.where(enters[..., None] if x.dim() == 4 else enters, new, x.gather(2, index)))
+        return torch.where(hit[..., None] if x.dim() == 4 else hit, new, x)
 
     updates = dict(sparse_keys=put(state.sparse_keys, k_out), sparse_values=put(state.sparse_values, v_out),
                    sparse_scores=put(state.sparse_scores, new_score), sparse_positions=put(state.sparse_positions, new_pos))
     if linear:  # the loser: the replaced entry (if it held a key) when the new key enters, else the new key
+        vec = slot[..., None].expand(b, g, 1, dh)
         out_k = torch.where(enters[..., None], state.sparse_keys.gather(2, vec), k_out)
         out_v = torch.where(enters[..., None], state.sparse_values.gather(2, vec), v_out)
         lost = torch.where(enters, filled.gather(2, slot), stored[:, None, :])
@@ -228,7 +228,7 @@ def hybrid_recurrent_step(
     keys, values = _write_slot(keys, slot, k_t, write_t), _write_slot(values, slot, v_t, write_t)
     positions = torch.where(write, new_pos[:, None], positions)
     valid = valid | write
-    updates.update(keys=keys, values=values, positions=positions, valid=valid, num_tokens=new_pos + valid_t.long())
+    updates.update(keys=keys, values=values, positions=positions, valid=valid, num_tokens=new_pos + (1 if all_valid else valid_t.long()))
     sink_write = valid_t & (new_pos < sinks)
     # Only the first `sinks` tokens write there: skip the copies afterwards (CPU only, as above).
     if sinks and (q_t.device.type != "cpu" or torch.compiler.is_compiling() or bool(sink_write.any())):
