@@ -38,7 +38,7 @@ def _fold(kv_state, k_state, keys, values, mask, feature_map_k: FeatureMapFn, gr
     k_h = keys.to(dtype).repeat_interleave(groups, dim=1)  # [b, h, e, dh]
     v_h = values.to(dtype).repeat_interleave(groups, dim=1)
     phi = feature_map_k(k_h) * mask.repeat_interleave(groups, dim=1)[..., None]  # [b, h, e, F]
-    return kv_state + torch.einsum("bhef,bhed->bhfd", phi, v_h), k_state + phi.sum(dim=2)
+    return kv_state + phi.transpose(-1, -2) @ v_h, k_state + phi.sum(dim=2)  # sum_e phi_e v_e^T: [b, h, F, dh]
 
 
 def _score_leaving(state: HybridRecurrentState, k_out, v_out, out_pos, stored, feature_map_k, groups: int):
@@ -57,7 +57,7 @@ def _score_leaving(state: HybridRecurrentState, k_out, v_out, out_pos, stored, f
         inner = (phi @ phi.transpose(-1, -2)) * earlier[:, None]
         error = recall_error(phi, v_h, state.score_kv, state.score_k, inner @ v_h, inner.sum(dim=-1))  # [b, h, e]
     phi_stored = phi * stored[:, None, :, None]
-    score_kv = state.score_kv + torch.einsum("bhef,bhed->bhfd", phi_stored, v_h)
+    score_kv = state.score_kv + phi_stored.transpose(-1, -2) @ v_h  # [b, h, F, dh]
     score_k = state.score_k + phi_stored.sum(dim=2)
     return error.view(b, g, groups, e).sum(dim=2), score_kv, score_k
 
