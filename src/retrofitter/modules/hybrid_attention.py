@@ -120,9 +120,9 @@ class HybridLinearAttention(nn.Module):
         Exactly the tensors ``init_state`` / the executions build (built on the meta device, so
         nothing is allocated): ring buffer k, v ``[b, g, s, dh]`` in ``dtype``; slot positions
         ``[b, s]`` int64 and validity ``[b, s]`` bool; S ``[b, h, F, dh]`` and z ``[b, h, F]`` in
-        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16; width 0 with ``linear_weight="zero"``); ``num_tokens`` ``[b]`` int64; sink
-        k, v ``[b, g, S, dh]``; sparse cache k, v ``[b, g, M, dh]``, errors ``[b, g, M]`` (compute
-        dtype), positions ``[b, g, M]`` int64 and, when ``M > 0``, the scoring state ``S_all, z_all``.
+        ``compute_dtype_for(dtype)`` (float32 for bf16/fp16; width 0 with ``linear_weight="zero"``);
+        ``num_tokens`` ``[b]`` int64; sink k, v ``[b, g, S, dh]``; sparse cache k, v ``[b, g, M, dh]``,
+        errors ``[b, g, M]`` (compute dtype), positions ``[b, g, M]`` int64 and, when ``M > 0``, the scoring state ``S_all, z_all``.
         """
         return self.init_state(batch_size, dtype, device="meta").nbytes()
 

@@ -53,7 +53,8 @@ def _score_leaving(state: HybridRecurrentState, k_out, v_out, out_pos, stored, f
     if e == 1:  # one key leaves (sliding windows): nothing else joins S_{<i}
         error = recall_error(phi, v_h, state.score_kv, state.score_k)
     else:
-        earlier = (out_pos[:, None, :] < out_pos[:, :, None]) & stored[:, None, :]  # [b, e(i), e(j)]: j < i joins S_{<i}
+        # [b, e(i), e(j)]: j < i joins S_{<i}
+        earlier = (out_pos[:, None, :] < out_pos[:, :, None]) & stored[:, None, :]
         inner = (phi @ phi.transpose(-1, -2)) * earlier[:, None]
         error = recall_error(phi, v_h, state.score_kv, state.score_k, inner @ v_h, inner.sum(dim=-1))  # [b, h, e]
     phi_stored = phi * stored[:, None, :, None]
@@ -122,7 +123,8 @@ def _replace_last_ranked(state: HybridRecurrentState, k_out, v_out, scores, out_
         return torch.where(hit[..., None] if x.dim() == 4 else hit, new, x)
 
     updates = dict(sparse_keys=put(state.sparse_keys, k_out), sparse_values=put(state.sparse_values, v_out),
-                   sparse_scores=put(state.sparse_scores, new_score), sparse_positions=put(state.sparse_positions, new_pos))
+                   sparse_scores=put(state.sparse_scores, new_score),
+                   sparse_positions=put(state.sparse_positions, new_pos))
     if linear:  # the loser: the replaced entry (if it held a key) when the new key enters, else the new key
         vec = slot[..., None].expand(b, g, 1, dh)
         out_k = torch.where(enters[..., None], state.sparse_keys.gather(2, vec), k_out)
@@ -133,7 +135,8 @@ def _replace_last_ranked(state: HybridRecurrentState, k_out, v_out, scores, out_
     return updates
 
 
-def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, write: torch.Tensor | None) -> torch.Tensor:
+def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor,
+                write: torch.Tensor | None) -> torch.Tensor:
     """``buffer [b, g, s, dh]`` with ``new [b, g, 1, dh]`` at ``slot [b]`` in rows ``write [b]`` (None: all rows;
     a new tensor)."""
     b, g, _, dh = buffer.shape
@@ -228,7 +231,8 @@ def hybrid_recurrent_step(
     keys, values = _write_slot(keys, slot, k_t, write_t), _write_slot(values, slot, v_t, write_t)
     positions = torch.where(write, new_pos[:, None], positions)
     valid = valid | write
-    updates.update(keys=keys, values=values, positions=positions, valid=valid, num_tokens=new_pos + (1 if all_valid else valid_t.long()))
+    updates.update(keys=keys, values=values, positions=positions, valid=valid,
+                   num_tokens=new_pos + (1 if all_valid else valid_t.long()))
     sink_write = valid_t & (new_pos < sinks)
     # Only the first `sinks` tokens write there: skip the copies afterwards (CPU only, as above).
     if sinks and (q_t.device.type != "cpu" or torch.compiler.is_compiling() or bool(sink_write.any())):
