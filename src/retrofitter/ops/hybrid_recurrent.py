@@ -202,7 +202,6 @@ def hybrid_recurrent_step(
     updates: dict[str, torch.Tensor] = {}
     # Sliding windows with every row real: the leaving key's slot is the one the new key overwrites.
     clear = evicted_any and not (kind.evicts_write_slot and all_valid)
-    evict = torch.zeros_like(state.valid)
     if evicted_any and (state.sparse_cache or linear):  # else the leaving keys go nowhere (window + sinks only)
         index = slots[:, None, :, None].expand(b, g, slots.shape[1], dh)
         k_out, v_out = state.keys.gather(2, index), state.values.gather(2, index)  # [b, g, e, dh]
@@ -213,7 +212,7 @@ def hybrid_recurrent_step(
                                       feature_map_k, groups)
             updates = dict(kv_state=kv_state, k_state=k_state)
     if clear:
-        evict = evict.scatter(1, slots, leaving)  # [b, s]
+        evict = torch.zeros_like(state.valid).scatter(1, slots, leaving)  # [b, s]
 
     # 2. Clear evicted slots (keeps the state canonical: equal to prefill_state's), then write
     #    the new key/value into slot L mod s (a new tensor; the input state stays intact).
