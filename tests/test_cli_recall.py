@@ -46,3 +46,19 @@ def test_recall_command_sets_sinks_cache_and_kept_layers(tmp_path):
     with pytest.raises(SystemExit) as refused:  # argparse: one line, exit status 2
         main(["eval", str(out), "--passkey", "220", "--passkey-depths", "1.5", "--quiet"])
     assert refused.value.code == 2
+
+
+def test_recall_command_keeps_layers_by_retrieval_score(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    text = tmp_path / "train.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    lin, results = tmp_path / "lin", tmp_path / "recall.json"
+    assert main(["linearize", str(model_dir), "--train-corpus", str(text), "--seq-len", "64", "--transfer-tokens", "0",
+                 "--lora-tokens", "0", "--window", "8", "--no-eval", "--out", str(lin), "--quiet"]) == 0
+    assert main(["recall", str(lin), "--keep-softmax-top", "1", "--keep-softmax-by", "retrieval", "--probe-corpus",
+                 str(text), "--probe-tokens", "160", "--no-eval", "--out", str(tmp_path / "out"), "--json",
+                 str(results), "--quiet"]) == 0
+    data = json.loads(results.read_text())
+    ranking = data["recall_ranking"]
+    assert ranking["by"] == "retrieval" and set(ranking["scores"]) == {"0", "1"}
+    assert data["recall"]["kept_softmax_layers"] == [int(max(ranking["scores"], key=ranking["scores"].get))]

@@ -292,13 +292,15 @@ def restore_softmax_layers(model: nn.Module, layers) -> list[int]:
     return restore_softmax(model, layers)
 
 
-def keep_softmax_for_recall(model: nn.Module, probes: list, count: int, progress: bool = True) -> dict:
-    """Give softmax attention back to the ``count`` hybrid layers of a linearized ``model`` that most raise the
-    answer likelihood of retrieval ``probes`` (``recall_probes``), in place and training-free; returns the
-    per-layer gains and the restored layers (``pipelines.recall_layers``)."""
+def keep_softmax_for_recall(model: nn.Module, probes: list, count: int, progress: bool = True,
+                            by: str = "recall") -> dict:
+    """Give softmax attention back to ``count`` hybrid layers of a linearized ``model``, in place and training-free,
+    ranked on retrieval ``probes`` (``recall_probes``) ``by`` ``"recall"`` (the layers that most raise the answer
+    likelihood) or ``"retrieval"`` (the layers whose original attention looks most at the needle); returns the
+    per-layer ranking and the restored layers (``pipelines.recall_layers``)."""
     from .pipelines.recall_layers import keep_softmax_for_recall as keep_layers
 
-    return keep_layers(model, probes, count, progress)
+    return keep_layers(model, probes, count, progress, by=by)
 
 
 def set_recall(model: nn.Module, sinks: int = 0, sparse_cache: int = 0) -> list[int]:

@@ -148,6 +148,9 @@ class HybridSelfAttention(nn.Module):
         # ``restore_softmax`` puts back.
         object.__setattr__(self, "original_attention", original)
         self.transfer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # Called as ``score_hook(self, q, k)`` by a softmax-mode forward (after RoPE): lets a caller read the
+        # original attention (``softmax_weights``) without keeping every layer's [n, n] weights.
+        self.score_hook: Callable[[nn.Module, torch.Tensor, torch.Tensor], None] | None = None
 
     def projection(self, role: str) -> nn.Module:
         """The ``"q"``, ``"k"``, ``"v"`` or ``"o"`` projection (resolved by path: replacements stay visible)."""
@@ -200,6 +203,20 @@ class HybridSelfAttention(nn.Module):
             y = y * key_padding_mask[:, None, :, None].to(y.dtype)
         return y
 
+    def softmax_weights(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The original attention's weights ``[b, h, r, n]`` (float32) of the queries ``q`` ``[b, h, r, dh]`` at
+        positions ``rows`` ``[r]`` over the keys ``k`` ``[b, g, n, dh]``: causal, with the layer's own window,
+        scaling and softcap, no padding — the rows of the matrix ``softmax_attention`` multiplies ``v`` with."""
+        groups = self.n_heads // self.n_kv_heads
+        scores = (q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2)).float() * self.scaling  # [b, h, r, n]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        positions = torch.arange(k.shape[2], device=k.device)
+        allowed = positions[None, :] <= rows[:, None]  # [r, n]
+        if self.softmax_sliding_window:
+            allowed = allowed & (positions[None, :] > rows[:, None] - self.softmax_sliding_window)
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         b, _, n, _ = y.shape
         return self.projection("o")(y.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
@@ -217,6 +234,8 @@ class HybridSelfAttention(nn.Module):
         if self.transfer_hook is not None or self.mode == "softmax":
             if cache is not None:
                 raise ValueError("softmax/transfer mode of HybridSelfAttention runs without a cache")
+            if self.score_hook is not None:
+                self.score_hook(self, q, k)
             with torch.no_grad() if self.transfer_hook is not None else contextlib.nullcontext():
                 teacher = self.softmax_attention(q, k, v, key_padding_mask)
             if self.transfer_hook is not None:

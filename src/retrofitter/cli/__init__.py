@@ -111,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--sparse-cache", type=int, default=0, metavar="M",
                         help="keys per layer and kv head the linear state recalls worst, attended exactly (LoLA)")
     recall.add_argument("--keep-softmax-top", type=int, default=0, metavar="K",
-                        help="give softmax back to the K layers with the largest gain on retrieval probes")
+                        help="give softmax back to the K layers ranked first by --keep-softmax-by on retrieval probes")
+    recall.add_argument("--keep-softmax-by", default="recall", choices=("recall", "retrieval"),
+                        help="recall: largest gain in the probes' answer likelihood (one forward per layer and probe); "
+                             "retrieval: largest share of the original attention on the needle (one per probe)")
     recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
     recall.add_argument("--probe-count", type=int, default=4, help="retrieval probes of the ranking (default 4)")
     recall.add_argument("--probe-tokens", type=int, default=1024, help="length of each retrieval probe (default 1024)")
@@ -262,7 +265,8 @@ def cmd_recall(args) -> int:
     from ..jobs import recall_job
 
     return show_results(recall_job(args.model, args.out, sinks=args.sinks, sparse_cache=args.sparse_cache,
-                            keep_softmax_top=args.keep_softmax_top, probe_corpus=args.probe_corpus,
+                            keep_softmax_top=args.keep_softmax_top,
+                            keep_softmax_by=args.keep_softmax_by, probe_corpus=args.probe_corpus,
                             probe_tokens=args.probe_tokens, probe_count=args.probe_count,
                             eval_config=eval_config(args, 512), overwrite=args.overwrite, dtype=args.dtype,
                             device=args.device, progress=not args.quiet), args)

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from .fields import SHARDING_MODES, JsonRoundTrip, option
 
-__all__ = ["LinearizeConfig", "LINEARIZE_PRESETS", "LORA_LOSSES"]
+__all__ = ["LinearizeConfig", "LINEARIZE_PRESETS", "LORA_LOSSES", "KEEP_SOFTMAX_RANKINGS"]
 
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
+# how keep_softmax_top ranks layers: mse (stage 1's error) or a pipelines.recall_layers criterion
+KEEP_SOFTMAX_RANKINGS = ("mse", "recall", "retrieval")
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,10 @@ class LinearizeConfig(JsonRoundTrip):
       of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
     ``keep_softmax_layers``: layer indices left as softmax attention; ``keep_softmax_top`` K: after stage 1,
       K hybrid layers get their softmax attention back (needs stage 1), ranked by ``keep_softmax_by``:
-      ``mse`` the largest attention-transfer MSE (measured on the probe blocks), ``recall`` the largest
-      gain in retrieval-probe answer likelihood (``pipelines.recall_layers``).
+      ``mse`` the largest attention-transfer MSE (measured on the probe blocks; needs stage 1), ``recall`` the
+      largest gain in retrieval-probe answer likelihood, ``retrieval`` the largest share of the original
+      attention that a probe's answer puts on its needle (ranked before stage 1, which then skips the kept
+      layers); both ``pipelines.recall_layers``, on probes of ``probe_tokens`` tokens hidden in the training text.
     """
 
     feature_map: str = option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
@@ -69,7 +73,10 @@ class LinearizeConfig(JsonRoundTrip):
                                     "--keep-softmax-by (0: none)")
     keep_softmax_by: str = option("mse", "how --keep-softmax-top ranks layers: mse (largest attention-transfer error) "
                                   "or recall (largest gain in the answer log-likelihood of retrieval probes hidden in "
-                                  "the training text; pipelines/recall_layers.py)", choices=("mse", "recall"))
+                                  "the training text) or retrieval (largest share of the original attention from a "
+                                  "probe's answer onto its needle; pipelines/recall_layers.py)",
+                                  choices=KEEP_SOFTMAX_RANKINGS)
+    probe_tokens: int = option(0, "length of the retrieval probes of --keep-softmax-by recall/retrieval (0: --seq-len)")
     seed: int = option(0, "random seed")
     lora_sharding: str = option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
                                  choices=SHARDING_MODES)
@@ -97,11 +104,14 @@ class LinearizeConfig(JsonRoundTrip):
                              "where input dropout has no place; use 0")
         if self.keep_softmax_top < 0:
             raise ValueError(f"keep_softmax_top must be >= 0, got {self.keep_softmax_top}")
-        if self.keep_softmax_top and not self.transfer_tokens:
-            raise ValueError("keep_softmax_top ranks layers by their attention-transfer error: it needs stage 1 "
-                             "(transfer_tokens > 0)")
-        if self.keep_softmax_by not in ("mse", "recall"):
-            raise ValueError(f"keep_softmax_by must be mse or recall, got {self.keep_softmax_by!r}")
+        if self.keep_softmax_by not in KEEP_SOFTMAX_RANKINGS:
+            raise ValueError(f"keep_softmax_by must be one of {', '.join(KEEP_SOFTMAX_RANKINGS)}, "
+                             f"got {self.keep_softmax_by!r}")
+        if self.keep_softmax_top and self.keep_softmax_by == "mse" and not self.transfer_tokens:
+            raise ValueError("keep_softmax_by mse ranks layers by their attention-transfer error: it needs stage 1 "
+                             "(transfer_tokens > 0); --keep-softmax-by recall or retrieval needs no training")
+        if self.probe_tokens and self.probe_tokens < 64:
+            raise ValueError(f"probe_tokens must be 0 (--seq-len) or >= 64, got {self.probe_tokens}")
         if any(int(i) < 0 for i in self.keep_softmax_layers):
             raise ValueError(f"keep_softmax_layers must be layer indices >= 0, got {self.keep_softmax_layers}")
 

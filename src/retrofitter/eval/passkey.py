@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import random
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 __all__ = ["FILLER", "LABELS", "passkey_prompt", "multikey_prompt", "passkey_trial", "passkey_accuracy",
-           "retrieval_probes"]
+           "RetrievalProbe", "retrieval_probes"]
 
 INTRO = "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -137,14 +138,23 @@ def passkey_accuracy(model: nn.Module, tokenizer, context_lengths=(256, 512, 102
     }
 
 
+class RetrievalProbe(NamedTuple):
+    """One teacher-forced probe: ``ids`` ``[1, L]``; the answer is ``ids[0, answer_start:]``; the needle sentence
+    is ``ids[0, needle_start:needle_end]``."""
+
+    ids: torch.Tensor
+    answer_start: int
+    needle_start: int
+    needle_end: int
+
+
 def retrieval_probes(tokenizer, haystack: torch.Tensor, count: int, context_tokens: int, digits: int = 5,
-                     seed: int = 1234) -> list[tuple[torch.Tensor, int]]:
+                     seed: int = 1234) -> list[RetrievalProbe]:
     """``count`` teacher-forced retrieval probes whose haystack is real text, not the evaluation's filler.
 
     ``haystack`` ``[N]``: token ids of a training corpus. Probe ``i``: a window of the haystack with the
-    needle inserted at a random depth, then ``QUESTION`` and the answer. Returns ``(ids [1, L], answer_start)``:
-    the answer tokens are ``ids[0, answer_start:]``. Keys, depths and windows come from ``seed``, so the
-    probes never repeat an evaluation prompt (whose filler is ``FILLER``).
+    needle inserted at a random depth, then ``QUESTION`` and the answer (``RetrievalProbe``). Keys, depths and
+    windows come from ``seed``, so the probes never repeat an evaluation prompt (whose filler is ``FILLER``).
     """
     rng = random.Random(seed)
     encode = lambda text: torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
@@ -160,5 +170,5 @@ def retrieval_probes(tokenizer, haystack: torch.Tensor, count: int, context_toke
         cut = rng.randrange(0, room + 1)
         text = haystack[start:start + room]
         ids = torch.cat([text[:cut], needle, text[cut:], question, answer])
-        probes.append((ids[None], int(ids.numel() - answer.numel())))
+        probes.append(RetrievalProbe(ids[None], int(ids.numel() - answer.numel()), cut, cut + needle.numel()))
     return probes

@@ -66,8 +66,8 @@ def linearize_and_save(job: OutputJob, model_name, config, eval_config, preset, 
         if config.lora_tokens > 0 and config.lora_loss == "kl":
             teacher, _ = load_model(original_name, dtype=dtype, device=device)
     probes = None
-    if config.keep_softmax_top and config.keep_softmax_by == "recall":  # probes hidden in the training text
-        probes = recall_probes(tokenizer, train_corpus, context_tokens=config.seq_len)
+    if config.keep_softmax_top and config.keep_softmax_by != "mse":  # probes hidden in the training text
+        probes = recall_probes(tokenizer, train_corpus, context_tokens=config.probe_tokens or config.seq_len)
     model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
                               teacher=teacher, recall_probes=probes)
     del teacher

@@ -13,7 +13,8 @@
    ``joint`` mode runs the teacher model once per batch (all layers learn together);
    ``blockwise`` mode caches each layer's teacher inputs to disk once and trains layers one by one
    (resumable via ``progress.json``; with several processes, layer l trains on rank l mod world).
-   With ``keep_softmax_top`` K, the K layers with the largest transfer MSE then get softmax back.
+   With ``keep_softmax_top`` K, K layers get softmax back, ranked by ``keep_softmax_by``: the largest
+   transfer MSE or recall gain (after this stage) or retrieval score (before it: ``recall_layers``).
 3. Stage 2: LoRA trained by the healing stage (KL to the original model by default, or next-token
    loss: ``lora_loss``), merged into the weights (``pipelines.lora``).
 
@@ -39,7 +40,7 @@ from ..config import LinearizeConfig
 from ..modules.feature_maps import FEATURE_MAPS
 from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 from .lora import lora_finetune
-from .recall_layers import keep_softmax_for_recall
+from .recall_layers import RANKINGS, keep_softmax_for_recall
 from .resume import RunDirectory, fingerprint
 from .training import make_accelerator
 
@@ -335,6 +336,14 @@ def restore_worst_layers(model: nn.Module, layers: dict, count: int, key: str = 
     return restore_softmax(model, worst)
 
 
+def keep_ranked_layers(model: nn.Module, config: LinearizeConfig, probes: list, report: dict, progress: bool) -> None:
+    """Softmax back in the ``config.keep_softmax_top`` layers ranked by ``config.keep_softmax_by`` on ``probes``;
+    the ranking goes to ``report["recall_ranking"]``, the layers to ``report["restored_softmax_layers"]``."""
+    ranking = keep_softmax_for_recall(model, probes, config.keep_softmax_top, progress, by=config.keep_softmax_by)
+    report["recall_ranking"] = ranking
+    report["restored_softmax_layers"] = ranking["restored_softmax_layers"]
+
+
 def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: torch.Tensor | None,
                     lora_blocks: torch.Tensor | None, accelerator=None, progress: bool = True, work_dir=None,
                     on_stage=None, teacher: nn.Module | None = None,
@@ -343,10 +352,11 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     (``swap``, ``transfer``, ``lora``), e.g. to evaluate intermediate models. ``teacher``: the original
     model of the stage-2 KL (default: a copy of ``model`` before the swap; pass the original when
     ``model`` is itself a conversion, e.g. a compressed model). ``recall_probes``: the retrieval probes
-    ``keep_softmax_by="recall"`` ranks layers with (``eval.passkey.retrieval_probes``). Returns ``(model, report)``."""
+    ``keep_softmax_by="recall"`` or ``"retrieval"`` ranks layers with (``eval.passkey.retrieval_probes``). Returns ``(model, report)``."""
     check_linearize_config(config)
-    if config.keep_softmax_top and config.keep_softmax_by == "recall" and not recall_probes:
-        raise ValueError("keep_softmax_by='recall' needs retrieval probes (recall_probes)")
+    ranked_by_probes = config.keep_softmax_top and config.keep_softmax_by in RANKINGS
+    if ranked_by_probes and not recall_probes:
+        raise ValueError(f"keep_softmax_by={config.keep_softmax_by!r} needs retrieval probes (recall_probes)")
     accelerator = accelerator or make_accelerator(next(model.parameters()).device)
     torch.manual_seed(config.seed)
     timings: dict = {}
@@ -360,19 +370,22 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     report: dict = {"replaced_layers": replaced, "kept_softmax_layers": sorted(config.keep_softmax_layers)}
     if on_stage:
         on_stage("swap", model)
-    if transfer_blocks is not None and config.transfer_tokens > 0:
+    # retrieval reads the original attention: rank before stage 1, which then trains only the hybrid layers left
+    if ranked_by_probes and config.keep_softmax_by == "retrieval":
+        keep_ranked_layers(model, config, recall_probes, report, progress)
+    ran_transfer = transfer_blocks is not None and config.transfer_tokens > 0
+    if ran_transfer:
         report["transfer"] = attention_transfer(model, transfer_blocks, config, accelerator, progress, work_dir)
         timings["transfer"] = report["transfer"]["seconds"]
-        if config.keep_softmax_top and config.keep_softmax_by == "recall":
-            report["recall_ranking"] = keep_softmax_for_recall(model, recall_probes, config.keep_softmax_top, progress)
-            report["restored_softmax_layers"] = report["recall_ranking"]["restored_softmax_layers"]
-        elif config.keep_softmax_top:
-            report["restored_softmax_layers"] = restore_worst_layers(model, report["transfer"]["layers"],
-                                                                     config.keep_softmax_top)
-            report["kept_softmax_layers"] = sorted(set(report["kept_softmax_layers"])
-                                                   | set(report["restored_softmax_layers"]))
-        if on_stage:
-            on_stage("transfer", model)
+    if ranked_by_probes and config.keep_softmax_by == "recall":  # the gain of the (trained) hybrid
+        keep_ranked_layers(model, config, recall_probes, report, progress)
+    elif config.keep_softmax_top and config.keep_softmax_by == "mse" and ran_transfer:
+        report["restored_softmax_layers"] = restore_worst_layers(model, report["transfer"]["layers"],
+                                                                 config.keep_softmax_top)
+    report["kept_softmax_layers"] = sorted(set(report["kept_softmax_layers"])
+                                           | set(report.get("restored_softmax_layers", [])))
+    if ran_transfer and on_stage:
+        on_stage("transfer", model)
     if run_lora:
         model, report["lora"] = lora_finetune(model, lora_blocks, config, accelerator, progress, teacher=teacher)
         del teacher

@@ -12,6 +12,16 @@ of teacher-forced retrieval probes (``eval.passkey.retrieval_probes``: a key hid
 
 and the ``k`` layers with the largest gain get their softmax back (``restore_softmax``). One forward
 per layer and probe, no training.
+
+A cheaper criterion needs no hybrid at all (``keep_softmax_by="retrieval"``, the retrieval heads of
+DuoAttention / RazorAttention): with every layer computing the original softmax attention, the share of
+layer ``l``'s attention that the answer positions put on the needle sentence,
+
+    score_l = mean_p mean_{heads} mean_{t in answer_p} sum_{j in needle_p} A_l[t - 1, j]
+
+(``A_l`` the layer's attention weights; row ``t - 1`` predicts answer token ``t``). Layers that copy the key
+from far back score high; layers that only read their neighbourhood score ~0. One forward per probe, and
+it can run before any training (it reads the original attention only).
 """
 
 from __future__ import annotations
@@ -22,23 +32,26 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters.hybrid_attention import hybrid_attention_modules, restore_softmax
+from ..eval.passkey import RetrievalProbe
 
-__all__ = ["answer_logprob", "recall_gains", "keep_softmax_for_recall"]
+__all__ = ["answer_logprob", "recall_gains", "retrieval_scores", "keep_softmax_for_recall", "RANKINGS"]
+
+RANKINGS = ("recall", "retrieval")  # keep_softmax_for_recall's criteria (module docstring)
 
 
 @torch.no_grad()
-def answer_logprob(model: nn.Module, probes: list[tuple[torch.Tensor, int]]) -> float:
+def answer_logprob(model: nn.Module, probes: list[RetrievalProbe]) -> float:
     """Mean over probes of ``sum_t log p(ids[t] | ids[:t])`` over the answer tokens ``t >= answer_start``."""
     device = next(model.parameters()).device
     total = 0.0
-    for ids, answer_start in probes:
-        ids = ids.to(device)
+    for probe in probes:
+        ids, answer_start = probe.ids.to(device), probe.answer_start
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits[0, answer_start - 1:].float()  # [A, V]
         total += float(-F.cross_entropy(logits, ids[0, answer_start:], reduction="sum"))
     return total / len(probes)
 
 
-def recall_gains(model: nn.Module, probes: list[tuple[torch.Tensor, int]], progress: bool = True) -> dict:
+def recall_gains(model: nn.Module, probes: list[RetrievalProbe], progress: bool = True) -> dict:
     """``{"baseline": log-likelihood with every layer hybrid, "gains": {layer: gain_l}}`` (module docstring)."""
     modules = hybrid_attention_modules(model)
     if not modules:
@@ -56,13 +69,47 @@ def recall_gains(model: nn.Module, probes: list[tuple[torch.Tensor, int]], progr
     return {"baseline": baseline, "gains": gains}
 
 
-def keep_softmax_for_recall(model: nn.Module, probes: list[tuple[torch.Tensor, int]], count: int,
-                            progress: bool = True) -> dict:
-    """Softmax back in the ``count`` hybrid layers with the largest recall gain; the ranking and the chosen layers."""
+@torch.no_grad()
+def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: bool = True) -> dict:
+    """``{"scores": {layer: score_l}, "head_scores": {layer: [per query head]}}`` (module docstring), measured
+    with every hybrid layer in softmax mode (the original model); the modes are restored afterwards."""
+    modules = hybrid_attention_modules(model)
+    if not modules:
+        raise ValueError("the model has no hybrid attention layers to rank")
+    if not probes:
+        raise ValueError("retrieval_scores needs at least one probe")
+    device = next(model.parameters()).device
+    heads = {layer: torch.zeros(module.n_heads, dtype=torch.float64) for layer, module in modules.items()}
+    for probe in tqdm(probes, desc="retrieval scores", disable=not progress):
+        rows = torch.arange(probe.answer_start - 1, probe.ids.shape[1] - 1, device=device)  # predict the answer
+
+        def needle_share(module, q, k):  # q [1, h, n, dh], k [1, g, n, dh]
+            weights = module.softmax_weights(q[:, :, rows], k, rows)  # [1, h, A, n]
+            share = weights[0, :, :, probe.needle_start:probe.needle_end].sum(-1).mean(-1)  # [h]
+            heads[module.layer_idx] += share.double().cpu() / len(probes)
+
+        for module in modules.values():
+            module.mode, module.score_hook = "softmax", needle_share
+        try:
+            model(input_ids=probe.ids[:, :-1].to(device), use_cache=False)
+        finally:
+            for module in modules.values():
+                module.mode, module.score_hook = "hybrid", None
+    return {"scores": {layer: float(share.mean()) for layer, share in heads.items()},
+            "head_scores": {layer: share.tolist() for layer, share in heads.items()}}
+
+
+def keep_softmax_for_recall(model: nn.Module, probes: list[RetrievalProbe], count: int, progress: bool = True,
+                            by: str = "recall") -> dict:
+    """Softmax back in the ``count`` hybrid layers ranked first ``by`` ``"recall"`` (largest recall gain) or
+    ``"retrieval"`` (largest retrieval score); the ranking and the chosen layers."""
+    if by not in RANKINGS:
+        raise ValueError(f"unknown ranking {by!r}; choose one of {list(RANKINGS)}")
     modules = hybrid_attention_modules(model)
     if not 1 <= count <= len(modules):
         raise ValueError(f"count must lie in 1..{len(modules)} (the hybrid layers); got {count}")
-    ranking = recall_gains(model, probes, progress)
-    chosen = sorted(ranking["gains"], key=lambda layer: ranking["gains"][layer], reverse=True)[:count]
-    return {**ranking, "restored_softmax_layers": restore_softmax(model, chosen), "probes": len(probes),
-            "probe_tokens": int(probes[0][0].numel())}
+    ranking = recall_gains(model, probes, progress) if by == "recall" else retrieval_scores(model, probes, progress)
+    values = ranking["gains" if by == "recall" else "scores"]
+    chosen = sorted(values, key=lambda layer: values[layer], reverse=True)[:count]
+    return {**ranking, "by": by, "restored_softmax_layers": restore_softmax(model, chosen), "probes": len(probes),
+            "probe_tokens": int(probes[0].ids.numel())}
