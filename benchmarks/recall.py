@@ -11,6 +11,9 @@ One table, SmolLM2-135M, every row measured in this run:
     <trained>+kK       K layers given their softmax back, ranked by recall gain on probes hidden in wiki-calib
                        (api.keep_softmax_for_recall, training-free), for each K in --keep
     <trained>+kK+s4+mM both
+    <preset>+rK        a --presets row with K softmax layers kept by retrieval score (keep_softmax_by="retrieval":
+                       the original attention's share on keys hidden in wiki-calib, ranked before any training),
+                       for each K in --preset-keep
     <extra>            a model directory as it is (--extra LABEL=DIR)
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
@@ -43,6 +46,9 @@ from retrofitter.eval.bench_decode import bench_decode
 from retrofitter.eval.passkey import passkey_accuracy
 
 
+PROBE_TOKENS = 4096  # retrieval probes of the +rK rows: the needle far beyond the window
+
+
 def ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -71,8 +77,14 @@ def build(spec: tuple, model_name: str, tokenizer, out: Path):
     if kind == "original":
         return load_model(model_name)[0]
     if kind == "preset":
+        name, keep = rest
         model = load_model(model_name)[0]
-        linearize(model, LinearizeConfig.preset(rest[0]), progress=False)
+        config = LinearizeConfig.preset(name, keep_softmax_top=keep, keep_softmax_by="retrieval")
+        probes = recall_probes(tokenizer, context_tokens=PROBE_TOKENS) if keep else None  # 4 x 4096, wiki-calib
+        _, report = linearize(model, config, progress=False, recall_probes=probes)
+        if keep:
+            print(f"[recall] kept softmax layers {report['restored_softmax_layers']} (retrieval scores "
+                  f"{ {k: round(v, 3) for k, v in report['recall_ranking']['scores'].items()} })", flush=True)
         return model
     directory, sinks, cache, keep = rest
     layers = kept_layers(directory, keep, tokenizer, out) if keep else []
@@ -95,6 +107,8 @@ def main() -> None:
     parser.add_argument("--sinks-row", action="store_true", help="also a row with the sinks alone")
     parser.add_argument("--sparse", type=ints, default=(64, 256), help="sparse-cache sizes to add to each trained row")
     parser.add_argument("--keep", type=ints, default=(4,), help="softmax layers kept by recall gain (rows +kK)")
+    parser.add_argument("--preset-keep", type=ints, default=(), help="softmax layers kept by retrieval score in "
+                        "each --presets row (rows <preset>+rK)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--trials-at", default="", metavar="LENGTH=N,...",
@@ -129,7 +143,9 @@ def main() -> None:
     for name in filter(None, args.presets.split(",")):
         if LinearizeConfig.preset(name).transfer_tokens or LinearizeConfig.preset(name).lora_tokens:
             parser.error(f"--presets takes training-free presets; {name!r} trains (give its output with --trained)")
-        rows[name] = ("preset", name)
+        rows[name] = ("preset", name, 0)
+        for keep in args.preset_keep:
+            rows[f"{name}+r{keep}"] = ("preset", name, keep)
     for item in args.trained:
         name, _, directory = item.partition("=")
         rows[name] = ("trained", directory, 0, 0, 0)

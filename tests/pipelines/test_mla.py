@@ -158,8 +158,14 @@ def test_heal_adapts_the_mla_tensors_and_merges_exactly(tmp_path):
         after = healed(ids).logits
     assert float((after - before).abs().max()) > 1e-4  # the merged LoRA changed the model
     retrofitter.save(healed, tmp_path / "healed", metadata={"method": "mla+heal"})
+    loaded = load_retrofitted(tmp_path / "healed")
+    saved = healed.state_dict()
+    # merged: plain tensors, saved bitwise; the logits agree to float32 rounding (the same GEMMs on differently
+    # aligned buffers may round differently, e.g. MKL on AMD)
+    assert loaded.state_dict().keys() == saved.keys()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in loaded.state_dict().items())
     with torch.no_grad():
-        assert torch.equal(load_retrofitted(tmp_path / "healed")(ids).logits, after)  # merged: plain tensors, bitwise
+        assert torch.allclose(loaded(ids).logits, after, rtol=1e-5, atol=1e-6)
 
 
 def test_progression_uses_one_step_for_every_layer_so_one_rope_base_holds_them():
