@@ -14,6 +14,8 @@ One table, SmolLM2-135M, every row measured in this run:
     <preset>+rK        a --presets row with K softmax layers kept by retrieval score (keep_softmax_by="retrieval":
                        the original attention's share on keys hidden in wiki-calib, ranked before any training),
                        for each K in --preset-keep
+    <preset>+LAYERS    a --presets row with softmax kept in the given layers (--preset-layers 7,8,18,20,21: rows
+                       <preset>+l7-8-18-20-21), e.g. to test a selection before a criterion finds it
     <extra>            a model directory as it is (--extra LABEL=DIR)
 
 Per row: wiki-eval perplexity at seq 512 (first 4096 tokens) and 2048 (first 8192 tokens); passkey at
@@ -77,12 +79,16 @@ def build(spec: tuple, model_name: str, tokenizer, out: Path):
     if kind == "original":
         return load_model(model_name)[0]
     if kind == "preset":
-        name, keep = rest
+        name, keep, *layers = rest
         model = load_model(model_name)[0]
-        config = LinearizeConfig.preset(name, keep_softmax_top=keep, keep_softmax_by="retrieval")
-        probes = recall_probes(tokenizer, context_tokens=PROBE_TOKENS) if keep else None  # 4 x 4096, wiki-calib
+        extra = {"keep_softmax_top": keep, "keep_softmax_by": "retrieval", "probe_tokens": PROBE_TOKENS} if keep else {}
+        if layers:
+            extra["keep_softmax_layers"] = tuple(layers[0])
+        config = LinearizeConfig.preset(name, **extra)
+        probes = (recall_probes(tokenizer, context_tokens=config.probe_tokens or config.seq_len)  # 4 probes, wiki-calib
+                  if config.keep_softmax_top and config.keep_softmax_by != "mse" else None)
         _, report = linearize(model, config, progress=False, recall_probes=probes)
-        if keep:
+        if config.keep_softmax_top:
             print(f"[recall] kept softmax layers {report['restored_softmax_layers']} (retrieval scores "
                   f"{ {k: round(v, 3) for k, v in report['recall_ranking']['scores'].items()} })", flush=True)
         return model
@@ -109,6 +115,8 @@ def main() -> None:
     parser.add_argument("--keep", type=ints, default=(4,), help="softmax layers kept by recall gain (rows +kK)")
     parser.add_argument("--preset-keep", type=ints, default=(), help="softmax layers kept by retrieval score in "
                         "each --presets row (rows <preset>+rK)")
+    parser.add_argument("--preset-layers", type=ints, action="append", default=[],
+                        help="softmax layers kept as given in each --presets row (rows <preset>+l<layers>)")
     parser.add_argument("--passkey", type=ints, default=(2048, 4096, 8192))
     parser.add_argument("--trials", type=int, default=7, help="keys per length and depth (3 depths)")
     parser.add_argument("--trials-at", default="", metavar="LENGTH=N,...",
@@ -146,6 +154,8 @@ def main() -> None:
         rows[name] = ("preset", name, 0)
         for keep in args.preset_keep:
             rows[f"{name}+r{keep}"] = ("preset", name, keep)
+        for layers in args.preset_layers:
+            rows[f"{name}+l{'-'.join(map(str, layers))}"] = ("preset", name, 0, list(layers))
     for item in args.trained:
         name, _, directory = item.partition("=")
         rows[name] = ("trained", directory, 0, 0, 0)

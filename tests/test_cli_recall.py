@@ -62,3 +62,25 @@ def test_recall_command_keeps_layers_by_retrieval_score(tmp_path):
     ranking = data["recall_ranking"]
     assert ranking["by"] == "retrieval" and set(ranking["scores"]) == {"0", "1"}
     assert data["recall"]["kept_softmax_layers"] == [int(max(ranking["scores"], key=ranking["scores"].get))]
+
+
+def test_linearize_preset_swa_sinks_recall_keeps_layers_by_retrieval_without_training(tmp_path, capsys):
+    from retrofitter.config import LinearizeConfig
+
+    preset = LinearizeConfig.preset("swa-sinks-recall")
+    assert (preset.transfer_tokens, preset.lora_tokens, preset.keep_softmax_top, preset.keep_softmax_by,
+            preset.probe_tokens, preset.sparse_cache) == (0, 0, 4, "retrieval", 4096, 256)
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    text = tmp_path / "train.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    out, results = tmp_path / "lin", tmp_path / "lin.json"
+    argv = ["linearize", str(model_dir), "--preset", "swa-sinks-recall", "--keep-softmax-top", "1", "--train-corpus",
+            str(text), "--seq-len", "64", "--window", "8", "--sparse-cache", "3", "--no-eval", "--out", str(out), "--json", str(results),
+            "--quiet"]
+    assert main([*argv[:-5], "--probe-tokens", "100000", *argv[-5:]]) == 2  # beyond the model's positions: refused
+    assert "--probe-tokens 100000 exceeds" in capsys.readouterr().err
+    assert main([*argv[:-5], "--probe-tokens", "160", *argv[-5:]]) == 0
+    model, _ = load(out)
+    (module,) = hybrid_attention_modules(model).values()
+    assert (module.hybrid.recall.sinks, module.hybrid.recall.sparse_cache) == (4, 3)
+    assert len([layer for layer in model.model.layers if layer.self_attn is not module]) == 1  # one kept softmax

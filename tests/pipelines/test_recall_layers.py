@@ -97,7 +97,7 @@ def test_retrieval_score_is_the_answer_rows_attention_on_the_needle():
     assert set(result["scores"]) == {0, 1} and all(len(h) == 4 for h in result["head_scores"].values())
     assert all(m.mode == "hybrid" and m.score_hook is None for m in hybrid_attention_modules(model).values())
     # by hand for layer 1: capture its q, k in softmax mode and read the needle columns of the answer rows
-    module, captured, expected = hybrid_attention_modules(model)[1], {}, 0.0
+    module, captured, expected, reach = hybrid_attention_modules(model)[1], {}, 0.0, 0.0
     for probe in made:
         for m in hybrid_attention_modules(model).values():
             m.mode = "softmax"
@@ -107,9 +107,13 @@ def test_retrieval_score_is_the_answer_rows_attention_on_the_needle():
         rows = torch.arange(probe.answer_start - 1, probe.ids.shape[1] - 1)
         weights = module.softmax_weights(captured["q"][:, :, rows], captured["k"], rows)
         expected += float(weights[..., probe.needle_start:probe.needle_end].sum(-1).mean()) / len(made)
+        keys = torch.arange(probe.ids.shape[1] - 1)
+        outside = (keys[None, :] <= rows[:, None] - 4) & (keys[None, :] >= module.hybrid.recall.sinks)  # window 4
+        reach += float((weights[0] * outside).sum(-1).mean()) / len(made)
     module.score_hook = None
     assert result["scores"][1] == pytest.approx(expected, rel=1e-5)
     assert 0 < result["scores"][1] < 1
+    assert result["reach"][1] == pytest.approx(reach, rel=1e-5) and 0 < reach < 1
 
 
 def test_keep_softmax_by_retrieval_restores_the_highest_scoring_layer():
@@ -118,6 +122,8 @@ def test_keep_softmax_by_retrieval_restores_the_highest_scoring_layer():
     best = max(report["scores"], key=report["scores"].get)
     assert report["by"] == "retrieval" and report["restored_softmax_layers"] == [best]
     assert list(hybrid_attention_modules(model)) == [1 - best]
+    report = keep_softmax_for_recall(hybrid(seed=3), made, 1, progress=False, by="reach")
+    assert report["restored_softmax_layers"] == [max(report["reach"], key=report["reach"].get)]
     with pytest.raises(ValueError, match="unknown ranking 'mse'"):
         keep_softmax_for_recall(model, made, 1, progress=False, by="mse")
 

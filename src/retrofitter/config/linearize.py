@@ -11,7 +11,7 @@ __all__ = ["LinearizeConfig", "LINEARIZE_PRESETS", "LORA_LOSSES", "KEEP_SOFTMAX_
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
 # how keep_softmax_top ranks layers: mse (stage 1's error) or a pipelines.recall_layers criterion
-KEEP_SOFTMAX_RANKINGS = ("mse", "recall", "retrieval")
+KEEP_SOFTMAX_RANKINGS = ("mse", "recall", "retrieval", "reach")
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class LinearizeConfig(JsonRoundTrip):
       K hybrid layers get their softmax attention back (needs stage 1), ranked by ``keep_softmax_by``:
       ``mse`` the largest attention-transfer MSE (measured on the probe blocks; needs stage 1), ``recall`` the
       largest gain in retrieval-probe answer likelihood, ``retrieval`` the largest share of the original
-      attention that a probe's answer puts on its needle (ranked before stage 1, which then skips the kept
-      layers); both ``pipelines.recall_layers``, on probes of ``probe_tokens`` tokens hidden in the training text.
+      attention that a probe's answer puts on its needle, ``reach`` the largest share of that attention outside
+      the window and sinks (both ranked before stage 1, which then skips the kept layers); both ``pipelines.recall_layers``, on probes of ``probe_tokens`` tokens hidden in the training text.
     """
 
     feature_map: str = option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
@@ -74,7 +74,8 @@ class LinearizeConfig(JsonRoundTrip):
     keep_softmax_by: str = option("mse", "how --keep-softmax-top ranks layers: mse (largest attention-transfer error) "
                                   "or recall (largest gain in the answer log-likelihood of retrieval probes hidden in "
                                   "the training text) or retrieval (largest share of the original attention from a "
-                                  "probe's answer onto its needle; pipelines/recall_layers.py)",
+                                  "probe's answer onto its needle) or reach (largest share of it outside the window and sinks; "
+                                  "pipelines/recall_layers.py)",
                                   choices=KEEP_SOFTMAX_RANKINGS)
     probe_tokens: int = option(0, "length of the retrieval probes of --keep-softmax-by recall/retrieval (0: --seq-len)")
     seed: int = option(0, "random seed")
@@ -163,6 +164,17 @@ LINEARIZE_PRESETS: dict[str, dict] = {
                        "linear state only ranks keys, the output is a softmax over window + sinks + cache",
         "config": {"transfer_tokens": 0, "lora_tokens": 0, "window": 64, "window_kind": "sliding", "sinks": 4,
                    "sparse_cache": 256, "linear_weight": "zero"},
+        "eval_max_tokens": 16_384,
+    },
+    "swa-sinks-recall": {
+        "description": "swa-sinks-cache plus softmax attention back in the 4 layers whose original attention puts the "
+                       "most weight on a pass key hidden in 4096-token probes of the training text (keep_softmax_by "
+                       "retrieval; no training): those layers cache every key and value. SmolLM2-135M: passkey 100 %% at "
+                       "4096 (21 trials), 10 %% at 8192, 1.007x / 1.093x perplexity, 0.189x the cache and 1.60x the "
+                       "decode rate at 8192 (docs/results.md 15c)",
+        "config": {"transfer_tokens": 0, "lora_tokens": 0, "window": 64, "window_kind": "sliding", "sinks": 4,
+                   "sparse_cache": 256, "linear_weight": "zero", "keep_softmax_top": 4, "keep_softmax_by": "retrieval",
+                   "probe_tokens": 4096},
         "eval_max_tokens": 16_384,
     },
     "gpu-small": {

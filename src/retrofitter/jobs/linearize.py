@@ -47,8 +47,9 @@ def linearize_and_save(job: OutputJob, model_name, config, eval_config, preset, 
                       eval_original, overwrite, dtype, device, progress) -> dict:
     """``linearize_job`` after its checks, under the output lock: the results record (rank 0)."""
     timings, start = {}, time.perf_counter()
-    model, tokenizer = load_checked(model_name, {"--seq-len": config.seq_len, **eval_lengths(eval_config)},
-                                    dtype=dtype, device=device)
+    ranks_on_probes = config.keep_softmax_top and config.keep_softmax_by != "mse"
+    lengths = {"--seq-len": config.seq_len, **({"--probe-tokens": config.probe_tokens or config.seq_len} if ranks_on_probes else {})}
+    model, tokenizer = load_checked(model_name, {**lengths, **eval_lengths(eval_config)}, dtype=dtype, device=device)
     timings["load"] = time.perf_counter() - start
     before = account(model)
     original = None
@@ -66,7 +67,7 @@ def linearize_and_save(job: OutputJob, model_name, config, eval_config, preset, 
         if config.lora_tokens > 0 and config.lora_loss == "kl":
             teacher, _ = load_model(original_name, dtype=dtype, device=device)
     probes = None
-    if config.keep_softmax_top and config.keep_softmax_by != "mse":  # probes hidden in the training text
+    if ranks_on_probes:  # probes hidden in the training text
         probes = recall_probes(tokenizer, train_corpus, context_tokens=config.probe_tokens or config.seq_len)
     model, report = linearize(model, config, transfer_blocks, lora_blocks, progress=progress, work_dir=work_dir,
                               teacher=teacher, recall_probes=probes)

@@ -41,7 +41,8 @@ def recall_job(model_dir, out, *, sinks: int = 0, sparse_cache: int = 0, keep_so
             raise ValueError(f"--probe-count must be >= 1 and --probe-tokens >= 64; got {probe_count}, {probe_tokens}")
     job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_dir}, device=device).one_process("recall")
     with job.writing():
-        model, tokenizer = load_checked(model_dir, eval_lengths(eval_config), dtype=dtype, device=device)
+        lengths = {"--probe-tokens": probe_tokens} if keep_softmax_top else {}
+        model, tokenizer = load_checked(model_dir, {**lengths, **eval_lengths(eval_config)}, dtype=dtype, device=device)
         report = {}
         if keep_softmax_top:
             probes = recall_probes(tokenizer, probe_corpus, count=probe_count, context_tokens=probe_tokens)

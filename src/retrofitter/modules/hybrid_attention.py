@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..ops.hybrid_chunked import hybrid_attention_chunked
-from ..ops.hybrid_common import RecallSettings, get_linear_weight, get_window_kind
+from ..ops.hybrid_common import RecallSettings, exact_contains, get_linear_weight, get_window_kind
 from ..ops.hybrid_naive import hybrid_attention_naive
 from ..ops.hybrid_recurrent import HybridRecurrentState, hybrid_recurrent_step
 from .feature_maps import build_feature_map
@@ -104,6 +104,11 @@ class HybridLinearAttention(nn.Module):
     def set_recall(self, sinks: int, sparse_cache: int) -> None:
         """Change the sinks / sparse-cache sizes (no weights depend on them; a live decode state must be rebuilt)."""
         self.recall = RecallSettings(sinks=int(sinks), sparse_cache=int(sparse_cache))
+
+    def window_and_sinks(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """Bool mask (broadcast of ``query_pos`` and ``key_pos``, real-token indices): the keys every query attends
+        exactly whatever the sparse cache holds, its window ``W_n`` and the sinks."""
+        return exact_contains(get_window_kind(self.window_kind), query_pos, key_pos, self.window, self.recall.sinks)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: both feature maps and theta."""

@@ -14,7 +14,7 @@
    ``blockwise`` mode caches each layer's teacher inputs to disk once and trains layers one by one
    (resumable via ``progress.json``; with several processes, layer l trains on rank l mod world).
    With ``keep_softmax_top`` K, K layers get softmax back, ranked by ``keep_softmax_by``: the largest
-   transfer MSE or recall gain (after this stage) or retrieval score (before it: ``recall_layers``).
+   transfer MSE or recall gain (after this stage) or retrieval score or reach (before it: ``recall_layers``).
 3. Stage 2: LoRA trained by the healing stage (KL to the original model by default, or next-token
    loss: ``lora_loss``), merged into the weights (``pipelines.lora``).
 
@@ -370,8 +370,8 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     report: dict = {"replaced_layers": replaced, "kept_softmax_layers": sorted(config.keep_softmax_layers)}
     if on_stage:
         on_stage("swap", model)
-    # retrieval reads the original attention: rank before stage 1, which then trains only the hybrid layers left
-    if ranked_by_probes and config.keep_softmax_by == "retrieval":
+    # retrieval and reach read the original attention: rank before stage 1, which then trains only the layers left
+    if ranked_by_probes and config.keep_softmax_by in ("retrieval", "reach"):
         keep_ranked_layers(model, config, recall_probes, report, progress)
     ran_transfer = transfer_blocks is not None and config.transfer_tokens > 0
     if ran_transfer:

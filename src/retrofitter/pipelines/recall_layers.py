@@ -22,6 +22,13 @@ layer ``l``'s attention that the answer positions put on the needle sentence,
 (``A_l`` the layer's attention weights; row ``t - 1`` predicts answer token ``t``). Layers that copy the key
 from far back score high; layers that only read their neighbourhood score ~0. One forward per probe, and
 it can run before any training (it reads the original attention only).
+
+The same forward measures ``keep_softmax_by="reach"``: the share of the answer rows' attention that falls
+outside the hybrid's window and sinks (what a hybrid layer must get from its cache or linear state),
+
+    reach_l = mean_p mean_{heads} mean_{t in answer_p} sum_{j not in W_{t-1} ∪ sinks} A_l[t - 1, j],
+
+high for layers that read broadly over the whole context even when they do not look at the key.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from ..eval.passkey import RetrievalProbe
 
 __all__ = ["answer_logprob", "recall_gains", "retrieval_scores", "keep_softmax_for_recall", "RANKINGS"]
 
-RANKINGS = ("recall", "retrieval")  # keep_softmax_for_recall's criteria (module docstring)
+RANKINGS = ("recall", "retrieval", "reach")  # keep_softmax_for_recall's criteria (module docstring)
 
 
 @torch.no_grad()
@@ -71,8 +78,9 @@ def recall_gains(model: nn.Module, probes: list[RetrievalProbe], progress: bool 
 
 @torch.no_grad()
 def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: bool = True) -> dict:
-    """``{"scores": {layer: score_l}, "head_scores": {layer: [per query head]}}`` (module docstring), measured
-    with every hybrid layer in softmax mode (the original model); the modes are restored afterwards."""
+    """``{"scores": {layer: score_l}, "head_scores": {layer: [per query head]}, "reach": {layer: reach_l}}``
+    (module docstring), measured with every hybrid layer in softmax mode (the original model); the modes are
+    restored afterwards."""
     modules = hybrid_attention_modules(model)
     if not modules:
         raise ValueError("the model has no hybrid attention layers to rank")
@@ -80,6 +88,7 @@ def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: b
         raise ValueError("retrieval_scores needs at least one probe")
     device = next(model.parameters()).device
     heads = {layer: torch.zeros(module.n_heads, dtype=torch.float64) for layer, module in modules.items()}
+    reach = dict.fromkeys(modules, 0.0)
     for probe in tqdm(probes, desc="retrieval scores", disable=not progress):
         rows = torch.arange(probe.answer_start - 1, probe.ids.shape[1] - 1, device=device)  # predict the answer
 
@@ -87,6 +96,8 @@ def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: b
             weights = module.softmax_weights(q[:, :, rows], k, rows)  # [1, h, A, n]
             share = weights[0, :, :, probe.needle_start:probe.needle_end].sum(-1).mean(-1)  # [h]
             heads[module.layer_idx] += share.double().cpu() / len(probes)
+            exact = module.hybrid.window_and_sinks(rows[:, None], torch.arange(k.shape[2], device=device)[None, :])
+            reach[module.layer_idx] += float(1 - (weights[0] * exact).sum(-1).mean()) / len(probes)
 
         for module in modules.values():
             module.mode, module.score_hook = "softmax", needle_share
@@ -96,20 +107,20 @@ def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: b
             for module in modules.values():
                 module.mode, module.score_hook = "hybrid", None
     return {"scores": {layer: float(share.mean()) for layer, share in heads.items()},
-            "head_scores": {layer: share.tolist() for layer, share in heads.items()}}
+            "head_scores": {layer: share.tolist() for layer, share in heads.items()}, "reach": reach}
 
 
 def keep_softmax_for_recall(model: nn.Module, probes: list[RetrievalProbe], count: int, progress: bool = True,
                             by: str = "recall") -> dict:
-    """Softmax back in the ``count`` hybrid layers ranked first ``by`` ``"recall"`` (largest recall gain) or
-    ``"retrieval"`` (largest retrieval score); the ranking and the chosen layers."""
+    """Softmax back in the ``count`` hybrid layers ranked first ``by`` ``"recall"`` (largest recall gain),
+    ``"retrieval"`` (largest retrieval score) or ``"reach"`` (largest reach); the ranking and the chosen layers."""
     if by not in RANKINGS:
         raise ValueError(f"unknown ranking {by!r}; choose one of {list(RANKINGS)}")
     modules = hybrid_attention_modules(model)
     if not 1 <= count <= len(modules):
         raise ValueError(f"count must lie in 1..{len(modules)} (the hybrid layers); got {count}")
     ranking = recall_gains(model, probes, progress) if by == "recall" else retrieval_scores(model, probes, progress)
-    values = ranking["gains" if by == "recall" else "scores"]
+    values = ranking[{"recall": "gains", "retrieval": "scores", "reach": "reach"}[by]]
     chosen = sorted(values, key=lambda layer: values[layer], reverse=True)[:count]
     return {**ranking, "by": by, "restored_softmax_layers": restore_softmax(model, chosen), "probes": len(probes),
             "probe_tokens": int(probes[0].ids.numel())}
