@@ -64,12 +64,12 @@ def test_recall_command_keeps_layers_by_retrieval_score(tmp_path):
     assert data["recall"]["kept_softmax_layers"] == [int(max(ranking["scores"], key=ranking["scores"].get))]
 
 
-def test_linearize_preset_swa_sinks_recall_keeps_layers_by_retrieval_without_training(tmp_path, capsys):
+def test_linearize_preset_swa_sinks_recall_keeps_ranked_layers_without_training(tmp_path, capsys):
     from retrofitter.config import LinearizeConfig
 
     preset = LinearizeConfig.preset("swa-sinks-recall")
     assert (preset.transfer_tokens, preset.lora_tokens, preset.keep_softmax_top, preset.keep_softmax_by,
-            preset.probe_tokens, preset.sparse_cache) == (0, 0, 4, "retrieval", 4096, 256)
+            preset.probe_tokens, preset.sparse_cache) == (0, 0, 5, "retrieval+reach", 4096, 256)
     model_dir = save_tiny_model_dir(tmp_path / "tiny")
     text = tmp_path / "train.txt"
     text.write_text(SAMPLE_TEXT * 4)

@@ -5,7 +5,8 @@ import torch
 
 from retrofitter.adapters.hybrid_attention import hybrid_attention_modules, swap_to_hybrid
 from retrofitter.eval.passkey import QUESTION, retrieval_probes
-from retrofitter.pipelines.recall_layers import answer_logprob, keep_softmax_for_recall, recall_gains, retrieval_scores
+from retrofitter.pipelines.recall_layers import (answer_logprob, keep_softmax_for_recall, recall_gains, retrieval_scores,
+                                                take_in_turn)
 from tiny_models import TINY_VOCAB, build_tiny, build_tiny_tokenizer
 
 
@@ -124,6 +125,8 @@ def test_keep_softmax_by_retrieval_restores_the_highest_scoring_layer():
     assert list(hybrid_attention_modules(model)) == [1 - best]
     report = keep_softmax_for_recall(hybrid(seed=3), made, 1, progress=False, by="reach")
     assert report["restored_softmax_layers"] == [max(report["reach"], key=report["reach"].get)]
+    report = keep_softmax_for_recall(hybrid(seed=3), made, 2, progress=False, by="retrieval+reach")
+    assert report["by"] == "retrieval+reach" and sorted(report["restored_softmax_layers"]) == [0, 1]
     with pytest.raises(ValueError, match="unknown ranking 'mse'"):
         keep_softmax_for_recall(model, made, 1, progress=False, by="mse")
 
@@ -146,3 +149,13 @@ def test_linearize_ranks_by_retrieval_before_stage_1_and_without_training():
         LinearizeConfig(transfer_tokens=0, keep_softmax_top=1, keep_softmax_by="mse")
     with pytest.raises(ValueError, match="probe_tokens must be 0"):
         LinearizeConfig(probe_tokens=10)
+
+
+def test_take_in_turn_alternates_the_rankings_and_skips_a_layer_already_chosen():
+    retrieval = {0: 0.9, 1: 0.5, 2: 0.1, 3: 0.0}
+    reach = {0: 0.95, 1: 0.0, 2: 0.9, 3: 0.8}
+    assert take_in_turn([retrieval, reach], 3) == [0, 2, 1]  # reach's best (0) is taken: its next, 2
+    assert take_in_turn([retrieval, reach], 4) == [0, 2, 1, 3]
+    assert take_in_turn([retrieval], 2) == [0, 1]
+    assert take_in_turn([retrieval, reach], 9) == [0, 2, 1, 3]  # no more than the layers
+    assert take_in_turn([{0: 1.0, 1: 0.5, 2: 0.0}, {0: 0.0, 1: 0.5, 2: 1.0}], 9) == [0, 2, 1]

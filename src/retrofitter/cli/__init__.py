@@ -112,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keys per layer and kv head the linear state recalls worst, attended exactly (LoLA)")
     recall.add_argument("--keep-softmax-top", type=int, default=0, metavar="K",
                         help="give softmax back to the K layers ranked first by --keep-softmax-by on retrieval probes")
-    recall.add_argument("--keep-softmax-by", default="recall", choices=("recall", "retrieval", "reach"),
+    recall.add_argument("--keep-softmax-by", default="recall",
+                        choices=("recall", "retrieval", "reach", "retrieval+reach"),
                         help="recall: largest gain in the probes' answer likelihood (one forward per layer and probe); "
                              "retrieval: largest share of the original attention on the needle; reach: largest share "
-                             "of it outside the window and sinks (one forward per probe)")
+                             "of it outside the window and sinks (one forward per probe); retrieval+reach: both in "
+                             "turn")
     recall.add_argument("--probe-corpus", default="wiki-calib", help="text the retrieval probes hide keys in")
     recall.add_argument("--probe-count", type=int, default=4, help="retrieval probes of the ranking (default 4)")
     recall.add_argument("--probe-tokens", type=int, default=1024, help="length of each retrieval probe (default 1024)")

@@ -11,7 +11,7 @@ __all__ = ["LinearizeConfig", "LINEARIZE_PRESETS", "LORA_LOSSES", "KEEP_SOFTMAX_
 # LoLCATs stage 2 objective: KL to the original model's next-token distribution (pipelines/heal.py), or next-token NLL.
 LORA_LOSSES = ("kl", "next_token")
 # how keep_softmax_top ranks layers: mse (stage 1's error) or a pipelines.recall_layers criterion
-KEEP_SOFTMAX_RANKINGS = ("mse", "recall", "retrieval", "reach")
+KEEP_SOFTMAX_RANKINGS = ("mse", "recall", "retrieval", "reach", "retrieval+reach")
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,13 @@ class LinearizeConfig(JsonRoundTrip):
       ``gradient_checkpointing`` (default on): each decoder layer is recomputed in the backward pass,
       so activation memory is one layer's instead of all layers' (the hybrid layer keeps about 350 MB
       of intermediates per 2048 tokens for backward; 30 layers would need ~10 GB) for ~30 % more time.
-    ``keep_softmax_layers``: layer indices left as softmax attention; ``keep_softmax_top`` K: after stage 1,
-      K hybrid layers get their softmax attention back (needs stage 1), ranked by ``keep_softmax_by``:
-      ``mse`` the largest attention-transfer MSE (measured on the probe blocks; needs stage 1), ``recall`` the
-      largest gain in retrieval-probe answer likelihood, ``retrieval`` the largest share of the original
-      attention that a probe's answer puts on its needle, ``reach`` the largest share of that attention outside
-      the window and sinks (both ranked before stage 1, which then skips the kept layers); both ``pipelines.recall_layers``, on probes of ``probe_tokens`` tokens hidden in the training text.
+    ``keep_softmax_layers``: layer indices left as softmax attention; ``keep_softmax_top`` K: K hybrid layers get
+      their softmax attention back, ranked by ``keep_softmax_by``: ``mse`` the largest attention-transfer MSE
+      (measured on the probe blocks; needs stage 1), ``recall`` the largest gain in retrieval-probe answer
+      likelihood (after stage 1 when it runs), ``retrieval`` the largest share of the original attention that a
+      probe's answer puts on its needle, ``reach`` the largest share of it outside the window and sinks,
+      ``retrieval+reach`` both in turn (these three before stage 1, which then skips the kept layers); all but
+      ``mse`` in ``pipelines.recall_layers``, on probes of ``probe_tokens`` tokens hidden in the training text.
     """
 
     feature_map: str = option("hedgehog", "feature map of the linear attention (modules/feature_maps.py)")
@@ -74,10 +75,10 @@ class LinearizeConfig(JsonRoundTrip):
     keep_softmax_by: str = option("mse", "how --keep-softmax-top ranks layers: mse (largest attention-transfer error) "
                                   "or recall (largest gain in the answer log-likelihood of retrieval probes hidden in "
                                   "the training text) or retrieval (largest share of the original attention from a "
-                                  "probe's answer onto its needle) or reach (largest share of it outside the window and sinks; "
-                                  "pipelines/recall_layers.py)",
+                                  "probe's answer onto its needle), reach (largest share of it outside the window and "
+                                  "sinks) or retrieval+reach (both in turn; pipelines/recall_layers.py)",
                                   choices=KEEP_SOFTMAX_RANKINGS)
-    probe_tokens: int = option(0, "length of the retrieval probes of --keep-softmax-by recall/retrieval (0: --seq-len)")
+    probe_tokens: int = option(0, "length of the retrieval probes of --keep-softmax-by other than mse (0: --seq-len)")
     seed: int = option(0, "random seed")
     lora_sharding: str = option("ddp", "stage 2 with several processes: ddp or fsdp (FSDP2, student weights sharded)",
                                  choices=SHARDING_MODES)
@@ -167,13 +168,14 @@ LINEARIZE_PRESETS: dict[str, dict] = {
         "eval_max_tokens": 16_384,
     },
     "swa-sinks-recall": {
-        "description": "swa-sinks-cache plus softmax attention back in the 4 layers whose original attention puts the "
-                       "most weight on a pass key hidden in 4096-token probes of the training text (keep_softmax_by "
-                       "retrieval; no training): those layers cache every key and value. SmolLM2-135M: passkey 100 %% at "
-                       "4096 (21 trials), 10 %% at 8192, 1.007x / 1.093x perplexity, 0.189x the cache and 1.60x the "
-                       "decode rate at 8192 (docs/results.md 15c)",
+        "description": "swa-sinks-cache plus softmax attention back in 5 layers, taken in turn from two rankings of "
+                       "the original attention on pass keys hidden in 4096-token probes of the training text: the "
+                       "share on the key (retrieval) and the share outside the window and sinks (reach); no "
+                       "training. Those layers cache every key and value. SmolLM2-135M: passkey 100 %% at 4096 and "
+                       "95 %% at 8192 (21 trials each; the original 67 %%), 1.008x / 1.070x perplexity, 0.22x the "
+                       "cache at 8192 (docs/results.md 15c)",
         "config": {"transfer_tokens": 0, "lora_tokens": 0, "window": 64, "window_kind": "sliding", "sinks": 4,
-                   "sparse_cache": 256, "linear_weight": "zero", "keep_softmax_top": 4, "keep_softmax_by": "retrieval",
+                   "sparse_cache": 256, "linear_weight": "zero", "keep_softmax_top": 5, "keep_softmax_by": "retrieval+reach",
                    "probe_tokens": 4096},
         "eval_max_tokens": 16_384,
     },

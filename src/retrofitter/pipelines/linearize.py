@@ -371,7 +371,7 @@ def linearize_model(model: nn.Module, config: LinearizeConfig, transfer_blocks: 
     if on_stage:
         on_stage("swap", model)
     # retrieval and reach read the original attention: rank before stage 1, which then trains only the layers left
-    if ranked_by_probes and config.keep_softmax_by in ("retrieval", "reach"):
+    if ranked_by_probes and config.keep_softmax_by != "recall":
         keep_ranked_layers(model, config, recall_probes, report, progress)
     ran_transfer = transfer_blocks is not None and config.transfer_tokens > 0
     if ran_transfer:

@@ -29,6 +29,8 @@ outside the hybrid's window and sinks (what a hybrid layer must get from its cac
     reach_l = mean_p mean_{heads} mean_{t in answer_p} sum_{j not in W_{t-1} ∪ sinks} A_l[t - 1, j],
 
 high for layers that read broadly over the whole context even when they do not look at the key.
+``"retrieval+reach"`` takes layers from both rankings in turn, retrieval first (a layer ranked by both counts
+once): the layers that copy the key and the layers whose broad reading the window cannot replace.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from tqdm.auto import tqdm
 from ..adapters.hybrid_attention import hybrid_attention_modules, restore_softmax
 from ..eval.passkey import RetrievalProbe
 
-__all__ = ["answer_logprob", "recall_gains", "retrieval_scores", "keep_softmax_for_recall", "RANKINGS"]
+__all__ = ["answer_logprob", "recall_gains", "retrieval_scores", "take_in_turn", "keep_softmax_for_recall", "RANKINGS"]
 
-RANKINGS = ("recall", "retrieval", "reach")  # keep_softmax_for_recall's criteria (module docstring)
+RANKINGS = ("recall", "retrieval", "reach", "retrieval+reach")  # keep_softmax_for_recall's criteria (module docstring)
 
 
 @torch.no_grad()
@@ -110,17 +112,30 @@ def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: b
             "head_scores": {layer: share.tolist() for layer, share in heads.items()}, "reach": reach}
 
 
+def take_in_turn(rankings: list[dict], count: int) -> list[int]:
+    """``count`` layers: each ranking ``{layer: value}`` in turn adds its highest-valued layer not chosen yet."""
+    orders = [sorted(values, key=values.get, reverse=True) for values in rankings]
+    chosen: list[int] = []
+    while len(chosen) < min(count, len(orders[0])):
+        for order in orders:
+            if len(chosen) < min(count, len(orders[0])):
+                chosen.append(next(layer for layer in order if layer not in chosen))
+    return chosen
+
+
 def keep_softmax_for_recall(model: nn.Module, probes: list[RetrievalProbe], count: int, progress: bool = True,
                             by: str = "recall") -> dict:
     """Softmax back in the ``count`` hybrid layers ranked first ``by`` ``"recall"`` (largest recall gain),
-    ``"retrieval"`` (largest retrieval score) or ``"reach"`` (largest reach); the ranking and the chosen layers."""
+    ``"retrieval"`` (largest retrieval score), ``"reach"`` (largest reach) or ``"retrieval+reach"`` (both in
+    turn); the ranking and the chosen layers."""
     if by not in RANKINGS:
         raise ValueError(f"unknown ranking {by!r}; choose one of {list(RANKINGS)}")
     modules = hybrid_attention_modules(model)
     if not 1 <= count <= len(modules):
         raise ValueError(f"count must lie in 1..{len(modules)} (the hybrid layers); got {count}")
     ranking = recall_gains(model, probes, progress) if by == "recall" else retrieval_scores(model, probes, progress)
-    values = ranking[{"recall": "gains", "retrieval": "scores", "reach": "reach"}[by]]
-    chosen = sorted(values, key=lambda layer: values[layer], reverse=True)[:count]
+    rankings = ([ranking["scores"], ranking["reach"]] if by == "retrieval+reach"
+                else [ranking[{"recall": "gains", "retrieval": "scores", "reach": "reach"}[by]]])
+    chosen = take_in_turn(rankings, count)
     return {**ranking, "by": by, "restored_softmax_layers": restore_softmax(model, chosen), "probes": len(probes),
             "probe_tokens": int(probes[0].ids.numel())}
