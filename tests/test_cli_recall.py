@@ -84,3 +84,8 @@ def test_linearize_preset_swa_sinks_recall_keeps_ranked_layers_without_training(
     (module,) = hybrid_attention_modules(model).values()
     assert (module.hybrid.recall.sinks, module.hybrid.recall.sparse_cache) == (4, 3)
     assert len([layer for layer in model.model.layers if layer.self_attn is not module]) == 1  # one kept softmax
+    data = json.loads(results.read_text())
+    kept = data["recall_ranking"]["restored_softmax_layers"]
+    assert data["recall_ranking"]["by"] == "retrieval+reach" and kept == [1 - module.layer_idx]
+    metadata = json.loads((out / "retrofitter.json").read_text())
+    assert (metadata["kept_softmax_layers"], metadata["replaced_layers"]) == (kept, [module.layer_idx])

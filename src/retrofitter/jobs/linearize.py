@@ -77,7 +77,8 @@ def linearize_and_save(job: OutputJob, model_name, config, eval_config, preset, 
     timings.update(report["timings_s"])
     linearize_peak = peak_rss_mb()
     metadata = {"method": "lolcats", "ratio": None, "source_model": model_name, "config": config.to_dict(),
-                "preset": preset, "replaced_layers": report["replaced_layers"]}
+                "preset": preset, "kept_softmax_layers": report["kept_softmax_layers"],
+                "replaced_layers": sorted(set(report["replaced_layers"]) - set(report["kept_softmax_layers"]))}
     if original_name != model_name:  # linearized on top of another conversion
         base = conversion_metadata(model_name)
         metadata.update(original_model=original_name, method=f"{base.get('method', 'retrofitted')}+lolcats",
@@ -95,6 +96,8 @@ def linearize_and_save(job: OutputJob, model_name, config, eval_config, preset, 
     record.add_sections(linearize_peak_rss_mb=linearize_peak,
                         transfer_mse={str(k): v for k, v in report.get("transfer", {}).get("layers", {}).items()},
                         lora={k: v for k, v in report.get("lora", {}).items() if k != "loss_history"})
+    if "recall_ranking" in report:  # the kept softmax layers' ranking (keep_softmax_by other than mse)
+        record.add_sections(recall_ranking=report["recall_ranking"])
     if original is not None:
         record.add_sections(ppl_original=original.ppl, original=original)
     return job.results(record)
