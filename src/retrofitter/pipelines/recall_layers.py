@@ -94,7 +94,7 @@ def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: b
     for probe in tqdm(probes, desc="retrieval scores", disable=not progress):
         rows = torch.arange(probe.answer_start - 1, probe.ids.shape[1] - 1, device=device)  # predict the answer
 
-        def needle_share(module, q, k):  # q [1, h, n, dh], k [1, g, n, dh]
+        def needle_share_and_reach(module, q, k):  # q [1, h, n, dh], k [1, g, n, dh]
             weights = module.softmax_weights(q[:, :, rows], k, rows)  # [1, h, A, n]
             share = weights[0, :, :, probe.needle_start:probe.needle_end].sum(-1).mean(-1)  # [h]
             heads[module.layer_idx] += share.double().cpu() / len(probes)
@@ -102,7 +102,7 @@ def retrieval_scores(model: nn.Module, probes: list[RetrievalProbe], progress: b
             reach[module.layer_idx] += float(1 - (weights[0] * exact).sum(-1).mean()) / len(probes)
 
         for module in modules.values():
-            module.mode, module.score_hook = "softmax", needle_share
+            module.mode, module.score_hook = "softmax", needle_share_and_reach
         try:
             model(input_ids=probe.ids[:, :-1].to(device), use_cache=False)
         finally:
