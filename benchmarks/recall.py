@@ -89,8 +89,8 @@ def build(spec: tuple, model_name: str, tokenizer, out: Path):
                   if config.keep_softmax_top and config.keep_softmax_by != "mse" else None)
         _, report = linearize(model, config, progress=False, recall_probes=probes)
         if config.keep_softmax_top:
-            print(f"[recall] kept softmax layers {report['restored_softmax_layers']} (retrieval scores "
-                  f"{ {k: round(v, 3) for k, v in report['recall_ranking']['scores'].items()} })", flush=True)
+            print(f"[recall] kept softmax layers {report['restored_softmax_layers']} "
+                  f"(by {report['recall_ranking']['by']})", flush=True)
         return model
     directory, sinks, cache, keep = rest
     layers = kept_layers(directory, keep, tokenizer, out) if keep else []

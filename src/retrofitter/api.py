@@ -296,7 +296,8 @@ def keep_softmax_for_recall(model: nn.Module, probes: list, count: int, progress
                             by: str = "recall") -> dict:
     """Give softmax attention back to ``count`` hybrid layers of a linearized ``model``, in place and training-free,
     ranked on retrieval ``probes`` (``recall_probes``) ``by`` ``"recall"`` (the layers that most raise the answer
-    likelihood) or ``"retrieval"`` (the layers whose original attention looks most at the needle); returns the
+    likelihood), ``"retrieval"`` (whose original attention looks most at the needle), ``"reach"`` (whose original
+    attention lies most outside the window and sinks) or ``"retrieval+reach"`` (the two in turn); returns the
     per-layer ranking and the restored layers (``pipelines.recall_layers``)."""
     from .pipelines.recall_layers import keep_softmax_for_recall as keep_layers
 

@@ -163,6 +163,7 @@ def test_heal_adapts_the_mla_tensors_and_merges_exactly(tmp_path):
     # merged: plain tensors, saved bitwise; the logits agree to float32 rounding (the same GEMMs on differently
     # aligned buffers may round differently, e.g. MKL on AMD)
     assert loaded.state_dict().keys() == saved.keys()
+    # bitwise by construction: safetensors stores and reads back the float32 bytes, no arithmetic in between
     assert all(torch.equal(tensor, saved[name]) for name, tensor in loaded.state_dict().items())
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, after, rtol=1e-5, atol=1e-6)

@@ -159,3 +159,10 @@ def test_take_in_turn_alternates_the_rankings_and_skips_a_layer_already_chosen()
     assert take_in_turn([retrieval], 2) == [0, 1]
     assert take_in_turn([retrieval, reach], 9) == [0, 2, 1, 3]  # no more than the layers
     assert take_in_turn([{0: 1.0, 1: 0.5, 2: 0.0}, {0: 0.0, 1: 0.5, 2: 1.0}], 9) == [0, 2, 1]
+
+
+def test_the_config_accepts_exactly_the_rankings_the_pipeline_implements():
+    from retrofitter.config.linearize import KEEP_SOFTMAX_RANKINGS
+    from retrofitter.pipelines.recall_layers import RANKINGS
+
+    assert set(KEEP_SOFTMAX_RANKINGS) == {"mse", *RANKINGS}  # config sits below pipelines and keeps its own list

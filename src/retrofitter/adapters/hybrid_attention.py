@@ -180,11 +180,7 @@ class HybridSelfAttention(nn.Module):
         """The original causal softmax attention ``[b, h, n, dh]`` (padded queries give zeros)."""
         n = q.shape[2]
         groups = self.n_heads // self.n_kv_heads
-        positions = torch.arange(n, device=q.device)
-        allowed = positions[None, :] <= positions[:, None]  # [n, n] causal
-        if self.softmax_sliding_window:
-            allowed = allowed & (positions[None, :] > positions[:, None] - self.softmax_sliding_window)
-        allowed = allowed[None, None]
+        allowed = self.allowed_keys(torch.arange(n, device=q.device), n)[None, None]  # [1, 1, n, n]
         if key_padding_mask is not None:
             # Every query keeps its own key so that padded rows stay finite (they are zeroed below).
             allowed = (allowed & key_padding_mask[:, None, None, :]) | torch.eye(n, dtype=torch.bool, device=q.device)
@@ -194,9 +190,7 @@ class HybridSelfAttention(nn.Module):
                 scale=self.scaling,
             )
         else:  # c·tanh(s / c) on the scaled scores (Gemma 2), then the masked softmax
-            scores = q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2) * self.scaling  # [b, h, n, n]
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = self.attention_scores(q, k).masked_fill(~allowed, float("-inf"))  # [b, h, n, n]
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             y = weights @ v.repeat_interleave(groups, dim=1)
         if key_padding_mask is not None:
@@ -207,15 +201,24 @@ class HybridSelfAttention(nn.Module):
         """The original attention's weights ``[b, h, r, n]`` (float32) of the queries ``q`` ``[b, h, r, dh]`` at
         positions ``rows`` ``[r]`` over the keys ``k`` ``[b, g, n, dh]``: causal, with the layer's own window,
         scaling and softcap, no padding — the rows of the matrix ``softmax_attention`` multiplies ``v`` with."""
-        groups = self.n_heads // self.n_kv_heads
-        scores = (q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2)).float() * self.scaling  # [b, h, r, n]
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        positions = torch.arange(k.shape[2], device=k.device)
-        allowed = positions[None, :] <= rows[:, None]  # [r, n]
+        scores = self.attention_scores(q, k).float()  # [b, h, r, n]
+        allowed = self.allowed_keys(rows, k.shape[2])  # [r, n]
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Scaled (and, with a softcap, ``c·tanh(s / c)``) scores ``[b, h, r, n]`` of ``q`` ``[b, h, r, dh]`` against
+        the kv heads ``k`` ``[b, g, n, dh]``, unmasked."""
+        scores = q @ k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1).transpose(-1, -2) * self.scaling
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
+
+    def allowed_keys(self, rows: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """Bool ``[r, n_keys]``: the keys the original attention lets the queries at positions ``rows`` see
+        (causal, within the layer's own sliding window when it has one)."""
+        positions = torch.arange(n_keys, device=rows.device)
+        allowed = positions[None, :] <= rows[:, None]
         if self.softmax_sliding_window:
             allowed = allowed & (positions[None, :] > rows[:, None] - self.softmax_sliding_window)
-        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return allowed
 
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         b, _, n, _ = y.shape

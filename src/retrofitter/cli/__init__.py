@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, LINEARIZE_PRESETS,
                       MLA_CALIB_SAMPLES, CompressConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLAConfig
+from ..pipelines.recall_layers import RANKINGS
 from ..errors import RetrofitterError
 from .flags import (add_config_flags, compress_config_from_args, config_from_args, fraction_list, method_options, name_list,
                     positive_int_list)
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--keep-softmax-top", type=int, default=0, metavar="K",
                         help="give softmax back to the K layers ranked first by --keep-softmax-by on retrieval probes")
     recall.add_argument("--keep-softmax-by", default="recall",
-                        choices=("recall", "retrieval", "reach", "retrieval+reach"),
+                        choices=RANKINGS,
                         help="recall: largest gain in the probes' answer likelihood (one forward per layer and probe); "
                              "retrieval: largest share of the original attention on the needle; reach: largest share "
                              "of it outside the window and sinks (one forward per probe); retrieval+reach: both in "

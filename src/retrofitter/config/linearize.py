@@ -111,7 +111,7 @@ class LinearizeConfig(JsonRoundTrip):
                              f"got {self.keep_softmax_by!r}")
         if self.keep_softmax_top and self.keep_softmax_by == "mse" and not self.transfer_tokens:
             raise ValueError("keep_softmax_by mse ranks layers by their attention-transfer error: it needs stage 1 "
-                             "(transfer_tokens > 0); --keep-softmax-by recall or retrieval needs no training")
+                             "(transfer_tokens > 0); the probe rankings (recall, retrieval, reach, retrieval+reach) need none")
         if self.probe_tokens and self.probe_tokens < 64:
             raise ValueError(f"probe_tokens must be 0 (--seq-len) or >= 64, got {self.probe_tokens}")
         if any(int(i) < 0 for i in self.keep_softmax_layers):
