@@ -17,7 +17,8 @@ def run_retrofitter(args: list[str], *, threads: int | None = None, log: Path | 
     ``python -m torch.distributed.run ...``) with ``threads`` OpenMP threads per process. Its output is
     appended to ``log`` (else captured and shown only on failure); a failure stops the benchmark."""
     command = [*(launcher or [sys.executable]), "-m", "retrofitter", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    # src first; a PYTHONPATH already set (packages installed beside the environment) stays after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     start = time.perf_counter()
