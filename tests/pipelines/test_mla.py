@@ -182,3 +182,29 @@ def test_progression_uses_one_step_for_every_layer_so_one_rope_base_holds_them()
     with pytest.raises(ValueError, match="--rope-step 4 does not fit"):
         convert_to_mla(strong_tiny("llama"), MLAConfig(kv_ratio=0.25, rope_fraction=0.5, rope_step=4), CALIBRATION,
                        progress=False)
+
+
+def test_attention_macs_count_what_the_absorbed_kernel_computes():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = []
+
+    def recording_sdpa(module, query, key, value, mask, **kwargs):  # the shapes every kernel call receives
+        seen.append((query.shape, key.shape, value.shape))
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register("retrofitter_test_recording_sdpa", recording_sdpa)
+    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32)
+    model.set_attn_implementation("retrofitter_test_recording_sdpa")
+    n = 16
+    ids = torch.randint(3, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    # q·k over the key width and p·v over the value width, every query against every key: [b, h, n, ·] x [b, 1, N, ·]
+    full = sum(q[0] * q[1] * q[2] * k[2] * (q[3] + v[3]) for q, k, v in seen)
+    assert len(seen) == len(model.model.layers)
+    attention = model.model.layers[0].self_attn
+    assert full == len(model.model.layers) * 2 * attention.n_heads * (attention.kv_rank + attention.rope_dim) * n * n
+    # the accounting's causal average: n/2 keys per query
+    assert account(model, context=n).attention_macs_per_token * n * 2 == full

@@ -120,6 +120,12 @@ class MLAAttention(nn.Module):
         head's mix through V_up (absorbed execution)."""
         return self.n_heads * self.kv_rank * (self.qk_nope_dim + self.head_dim)
 
+    def attention_macs_per_token(self, context: int) -> int:
+        """q·k and p·v of the absorbed execution for one query over on average context/2 keys: both over the
+        shared key [c, k_pe] of width r + 2m in each of the h heads (the value is the key itself; the mix of
+        its last 2m dims is computed by the kernel and dropped)."""
+        return 2 * self.n_heads * (self.kv_rank + self.rope_dim) * (context // 2)
+
     def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
         """K_up and V_up are read by einsums, not ``F.linear``: a weight quantizer leaves them plain."""
         return (self.k_up, self.v_up)
