@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,14 @@ def run_retrofitter(args: list[str], *, threads: int | None = None, log: Path | 
     if done.returncode != 0:
         raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{detail}")
     return time.perf_counter() - start
+
+
+def run_once(result: Path, args: list[str], *, threads: int | None = None, log: Path | None = None) -> dict:
+    """The results JSON of ``retrofitter ARGS --json result`` with its wall seconds added as ``wall_s``; a
+    ``result`` that exists is read instead of running again (benchmarks resume point by point)."""
+    if not result.exists():
+        seconds = run_retrofitter([*args, "--json", str(result)], threads=threads, log=log)
+        record = json.loads(result.read_text())
+        record["wall_s"] = seconds
+        result.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+    return json.loads(result.read_text())

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cli_runner import ROOT, run_retrofitter
+from cli_runner import ROOT, run_once, run_retrofitter
 
 
 def main() -> None:
@@ -40,13 +40,7 @@ def main() -> None:
     evaluation = ["--eval", corpora, "--max-eval-tokens", str(args.max_eval_tokens), "--quiet"]
 
     def point(name: str, command: list[str]) -> dict:
-        result = args.out / f"{name}.json"
-        if not result.exists():
-            seconds = run_retrofitter([*command, "--json", str(result)], threads=args.threads, log=log)
-            record = json.loads(result.read_text())
-            record["wall_s"] = seconds
-            result.write_text(json.dumps(record, indent=2, sort_keys=True))
-        return json.loads(result.read_text())
+        return run_once(args.out / f"{name}.json", command, threads=args.threads, log=log)
 
     points = {"original": point("original", ["eval", args.model, "--ppl", corpora, "--max-eval-tokens",
                                              str(args.max_eval_tokens), "--quiet"])}

@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from cli_runner import ROOT, run_retrofitter
+from cli_runner import ROOT, run_once
 
 
 def parse_budget(text: str) -> dict:
@@ -62,13 +62,7 @@ def main() -> None:
     summary = {"settings": {k: str(v) for k, v in vars(args).items()}, "points": {}}
 
     def record(name: str, command: list[str]) -> dict:
-        result = args.out / f"{name}.json"
-        if not result.exists():
-            seconds = run_retrofitter([*command, "--json", str(result)], threads=args.threads, log=log)
-            data = json.loads(result.read_text())
-            data["wall_s"] = seconds
-            result.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-        return json.loads(result.read_text())
+        return run_once(args.out / f"{name}.json", command, threads=args.threads, log=log)
 
     def point(name: str, model: str, quality: dict, extra: dict | None = None) -> None:
         recall = record(f"{name}-passkey", ["eval", model, "--ppl", "wiki-eval", "--max-eval-tokens", "512",

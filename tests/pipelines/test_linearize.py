@@ -306,3 +306,28 @@ def test_swa_sinks_cache_preset_adds_a_read_sparse_cache_and_decodes_like_its_fo
         assert [m.hybrid.recall for m in hybrid_attention_modules(loaded).values()] == [
             m.hybrid.recall for m in hybrid_attention_modules(model).values()]
         assert torch.allclose(loaded(input_ids=tokens, use_cache=False).logits, full, atol=1e-6, rtol=0)
+
+
+def test_cpu_small_trains_with_its_sinks_and_sparse_cache_in_place(tmp_path):
+    """cpu-small's recipe (blockwise transfer, next-token LoRA) with its 4 sinks and sparse cache, scaled to a tiny
+    model: stage 1 fits the layers as they will run (sinks and cache read in training) and lowers every layer's
+    attention-output error, stage 2 runs, and the trained model decodes like its forward."""
+    preset = LinearizeConfig.preset("cpu-small")
+    assert (preset.sinks, preset.sparse_cache, preset.transfer_mode, preset.lora_loss) == (4, 64, "blockwise", "next_token")
+    assert (LinearizeConfig.preset("quality").sinks, LinearizeConfig.preset("quality").sparse_cache) == (4, 64)
+    cfg = LinearizeConfig.preset("cpu-small", window=4, feature_dim=8, sparse_cache=3, transfer_tokens=512,
+                                 lora_tokens=256, seq_len=32, transfer_epochs=2, gradient_checkpointing=False)
+    model, report = linearize_model(build_tiny("llama"), cfg, blocks(16), blocks(8, seed=3), progress=False,
+                                    work_dir=tmp_path)
+    layers = [m.hybrid for m in hybrid_attention_modules(model).values()]
+    assert layers and all((m.recall.sinks, m.recall.sparse_cache) == (4, 3) for m in layers)
+    assert all(v["mse_after"] < v["mse_before"] for v in report["transfer"]["layers"].values()), report["transfer"]
+    assert report["lora"]["steps"] > 0
+    tokens = blocks(1, 32, seed=7)
+    with torch.no_grad():
+        full = model(input_ids=tokens, use_cache=False).logits
+        cache = HybridCache(model)
+        stepped = [model(input_ids=tokens[:, :5], cache=cache, use_cache=True).logits]
+        for t in range(5, tokens.shape[1]):
+            stepped.append(model(input_ids=tokens[:, t:t + 1], cache=cache, use_cache=True).logits)
+    assert torch.allclose(torch.cat(stepped, 1), full, atol=1e-4, rtol=1e-4)

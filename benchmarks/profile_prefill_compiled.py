@@ -1,0 +1,86 @@
+"""Prefill eager and ``torch.compile``d, interleaved, and where one compiled prefill spends its time (per op).
+
+Each model runs one forward of random ids ``[1, --tokens]`` without a cache and with the last position's
+logits only (what generation needs; as ``retrofitter bench --compile``), eager and compiled (inductor,
+static shapes), the models and modes interleaved over ``--repeats`` timed repetitions after two warm-ups.
+Then ``torch.profiler`` records one compiled forward per model: self CPU time per op (matrix products,
+the attention kernel, the compiled graph's own fused kernels, ...), which says where a gap comes from.
+
+    python benchmarks/profile_prefill_compiled.py smollm2-135m runs/mla-0.25 --tokens 512 --threads 2
+
+Writes --json (default benchmarks/results/profile_prefill_compiled.json) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from retrofitter.api import load_model, write_json
+from retrofitter.eval.bench import machine_info, unique_labels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prefill_fn(model):
+    return lambda ids: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+
+def op_profile(fn, ids, top: int) -> dict[str, float]:
+    """Self CPU milliseconds of the ``top`` most expensive ops of one call."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(ids)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {e.key: e.self_cpu_time_total / 1e3 for e in events}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+", help="the first is the baseline of the ratios")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--top", type=int, default=6, help="ops listed per profile")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "profile_prefill_compiled.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    labels = unique_labels(args.models)
+    models = {label: load_model(path)[0].eval() for label, path in zip(labels, args.models)}
+    vocab = min(m.get_input_embeddings().num_embeddings for m in models.values())
+    ids = torch.randint(3, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    fns = {}
+    for label, model in models.items():
+        fns[label, "eager"] = prefill_fn(model)
+        fns[label, "compiled"] = torch.compile(prefill_fn(model), dynamic=False)
+    seconds = {key: [] for key in fns}
+    with torch.inference_mode():
+        for fn in fns.values():  # warm-up (and compile)
+            fn(ids), fn(ids)
+        for _ in range(args.repeats):
+            for key, fn in fns.items():
+                start = time.perf_counter()
+                fn(ids)
+                seconds[key].append(time.perf_counter() - start)
+        ops = {label: op_profile(fns[label, "compiled"], ids, args.top) for label in models}
+    base = labels[0]
+    rows = {label: {mode: {"median_ms": statistics.median(seconds[label, mode]) * 1e3,
+                           "min_ms": min(seconds[label, mode]) * 1e3,
+                           "ratio_median": statistics.median(seconds[label, mode]) / statistics.median(seconds[base, mode])}
+                    for mode in ("eager", "compiled")} for label in labels}
+    write_json({"settings": vars(args) | {"json": str(args.json)}, "machine": machine_info(), "prefill": rows,
+                "compiled_ops_self_ms": ops}, args.json)
+    for label in labels:
+        print(f"{label:<28} " + "  ".join(f"{mode} {r['median_ms']:7.1f} ms ({r['ratio_median']:.3f}x)"
+                                         for mode, r in rows[label].items()))
+    for label in labels:
+        print(f"compiled ops, {label}: " + ", ".join(f"{k[:48]} {v:.1f} ms" for k, v in ops[label].items()))
+
+
+if __name__ == "__main__":
+    main()
