@@ -308,17 +308,23 @@ def test_swa_sinks_cache_preset_adds_a_read_sparse_cache_and_decodes_like_its_fo
         assert torch.allclose(loaded(input_ids=tokens, use_cache=False).logits, full, atol=1e-6, rtol=0)
 
 
-def test_cpu_small_trains_with_its_sinks_and_sparse_cache_in_place(tmp_path):
-    """cpu-small's recipe (blockwise transfer, next-token LoRA) with its 4 sinks and sparse cache, scaled to a tiny
-    model: stage 1 fits the layers as they will run (sinks and cache read in training) and lowers every layer's
-    attention-output error, stage 2 runs, and the trained model decodes like its forward."""
-    preset = LinearizeConfig.preset("cpu-small")
-    assert (preset.sinks, preset.sparse_cache, preset.transfer_mode, preset.lora_loss) == (4, 64, "blockwise", "next_token")
-    assert (LinearizeConfig.preset("quality").sinks, LinearizeConfig.preset("quality").sparse_cache) == (4, 64)
-    cfg = LinearizeConfig.preset("cpu-small", window=4, feature_dim=8, sparse_cache=3, transfer_tokens=512,
-                                 lora_tokens=256, seq_len=32, transfer_epochs=2, gradient_checkpointing=False)
+TRAINED_PRESETS = ("cpu-small", "quality", "gpu-small", "paper")
+
+
+@pytest.mark.parametrize("name", ["cpu-small", "gpu-small"])  # blockwise and joint stage 1
+def test_trained_presets_train_with_their_sinks_and_sparse_cache_in_place(name, tmp_path):
+    """Every trained preset carries 4 sinks and a 64-key sparse cache; its recipe (stage 1 blockwise for the CPU
+    presets, joint for the GPU ones; then LoRA), scaled to a tiny model, fits the layers as they will run (sinks
+    and cache read in training) and lowers every layer's attention-output error, stage 2 runs, and the trained
+    model decodes like its forward."""
+    assert all((LinearizeConfig.preset(p).sinks, LinearizeConfig.preset(p).sparse_cache) == (4, 64)
+               for p in TRAINED_PRESETS)
+    preset = LinearizeConfig.preset(name)
+    cfg = LinearizeConfig.preset(name, window=4, feature_dim=8, sparse_cache=3, transfer_tokens=512, lora_tokens=256,
+                                 seq_len=32, batch_size=2, transfer_epochs=2, gradient_checkpointing=False)
     model, report = linearize_model(build_tiny("llama"), cfg, blocks(16), blocks(8, seed=3), progress=False,
                                     work_dir=tmp_path)
+    assert report["transfer"]["mode"] == preset.transfer_mode
     layers = [m.hybrid for m in hybrid_attention_modules(model).values()]
     assert layers and all((m.recall.sinks, m.recall.sparse_cache) == (4, 3) for m in layers)
     assert all(v["mse_after"] < v["mse_before"] for v in report["transfer"]["layers"].values()), report["transfer"]
