@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-tokens", type=int, default=None, help="override the preset's stage-2 tokens")
     parser.add_argument("--window", type=int, default=None, help="override the preset's softmax window")
     parser.add_argument("--keep-softmax-top", type=int, default=None, help="override the preset's keep_softmax_top")
+    parser.add_argument("--sinks", type=int, default=None, help="override the preset's attention sinks")
+    parser.add_argument("--sparse-cache", type=int, default=None, help="override the preset's sparse-cache size")
     parser.add_argument("--eval-stages", default="original,control,swap,transfer,lora",
                         help="stages whose perplexity is measured (each costs one evaluation pass)")
     parser.add_argument("--lora-loss", choices=("kl", "next_token"), default=None,
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
     config = LinearizeConfig.preset(args.preset)
     overrides = {k: v for k, v in {"seq_len": args.seq_len, "transfer_tokens": args.transfer_tokens,
                                     "lora_tokens": args.lora_tokens, "lora_loss": args.lora_loss,
-                                    "window": args.window, "keep_softmax_top": args.keep_softmax_top}.items()
+                                    "window": args.window, "keep_softmax_top": args.keep_softmax_top,
+                                    "sinks": args.sinks, "sparse_cache": args.sparse_cache}.items()
                  if v is not None}
     if overrides:
         config = dataclasses.replace(config, **overrides)

@@ -8,7 +8,7 @@ and time budgets spent stops a run). The summary JSON is rewritten after every p
 keeps what it finished; a finished point is skipped when the script runs again.
 
     # on a GPU (results §13b): the default heal budget, then larger ones capped by minutes
-    python benchmarks/mla_heal_budget.py --device cuda --budgets 65536:1:512,16777216:16:512@3.5
+    python benchmarks/mla_heal_budget.py --device cuda --budgets 65536:1:512,16777216:16:512@3
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def parse_budget(text: str) -> dict:
         tokens, batch, seq = (int(part) for part in spec.split(":"))
         minutes_value = float(minutes) if minutes else 0.0
     except ValueError:
-        raise SystemExit(f"a budget is TOKENS:BATCH:SEQ[@MINUTES], e.g. 65536:1:512 or 16777216:16:512@3.5; got {text!r}")
+        raise SystemExit(f"a budget is TOKENS:BATCH:SEQ[@MINUTES], e.g. 65536:1:512 or 16777216:16:512@3; got {text!r}")
     return {"tokens": tokens, "batch_size": batch, "seq_len": seq, "minutes": minutes_value}
 
 
