@@ -208,3 +208,19 @@ def test_attention_macs_count_what_the_absorbed_kernel_computes():
     assert full == len(model.model.layers) * 2 * attention.n_heads * (attention.kv_rank + attention.rope_dim) * n * n
     # the accounting's causal average: n/2 keys per query
     assert account(model, context=n).attention_macs_per_token * n * 2 == full
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(family):
+    settings = dict(kv_ratio=0.5, rope_fraction=0.25, damping=1e-9, fit_blocks=4, fit_queries=16)
+    fitted, plain = strong_tiny(family, dtype=torch.float64), strong_tiny(family, dtype=torch.float64)
+    _, report = convert_to_mla(fitted, MLAConfig(**settings), CALIBRATION, progress=False)
+    _, plain_report = convert_to_mla(plain, MLAConfig(**settings, unrotated_fit="none"), CALIBRATION, progress=False)
+    errors = [layer["unrotated_score_error"] for layer in report["layers"]]
+    assert all(e["fitted"] <= e["identity"] * (1 + 1e-9) for e in errors)
+    assert any(e["fitted"] < 0.95 * e["identity"] for e in errors)
+    assert all(layer["unrotated_score_error"] is None for layer in plain_report["layers"])
+    first, first_plain = fitted.model.layers[0].self_attn, plain.model.layers[0].self_attn  # same input stream
+    for name in ("kv_a_proj.weight", "k_up", "v_up", "k_pe_proj.weight"):
+        torch.testing.assert_close(first.get_parameter(name), first_plain.get_parameter(name), rtol=0, atol=1e-10)
+    assert not torch.allclose(first.q_proj.weight, first_plain.q_proj.weight)

@@ -25,7 +25,10 @@ rotary key of dim 2m with base' = base^(2sm/dh), so the layer exports to DeepSee
 (``progression_slots``). The alternatives measured
 against it: ``"energy"`` (the first factor alone, TransMLA's ranking) and ``"frequency"`` (the highest
 frequencies first, each pair's components by key energy, MHA2MLA's high-frequency rule). The other slots
-become *no-rotation* dims (the rotation is dropped: exact at distance 0, close for low frequencies).
+become *no-rotation* dims (the rotation is dropped: exact at distance 0, close for low frequencies). With
+``rotation_fit`` (the original attention's statistics, linalg/mla_rotation_fit.py) each query head reads them
+through a fitted map M [2, 2] per slot instead of the identity: the least-squares stand-in for the dropped
+rotation under the distances that head attends over (free: it folds into q_proj).
 
 **One latent.** The no-rotation key rows W_nope [n_nope, d + 1] and the values W_v [g·dh, d + 1] are fitted
 jointly, c = A x̃ [r], [W_nope; W_v] ≈ [W_uk; W_uv] A, by the rootcov weighted SVD
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .mla_rotation_fit import RotationFitStatistics, slot_fit
 from .svd import output_side_svd
 
 SLOT_SELECTIONS = ("score", "progression", "energy", "frequency")
@@ -66,6 +70,7 @@ class MLAFactors:
     v_up: torch.Tensor            # [g·dh, r]         v = v_up c
     freq_index: torch.Tensor      # [m] long          the frequency pair of each kept slot
     slot_scores: torch.Tensor     # [g·dh/2]          ranking score of every slot (kept first)
+    fit_errors: tuple[float, float] | None = None  # Σ_t Var_p score error of the no-rotation slots: M = I, fitted M
 
 
 def mla_budget(kv_ratio: float, n_kv_heads: int, head_dim: int, rope_fraction: float) -> tuple[int, int]:
@@ -179,11 +184,14 @@ def slot_scores(W_q, b_q, W_k, b_k, second_moment, mean, *, n_heads: int, n_kv_h
 def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: int, n_kv_heads: int, head_dim: int,
                 inv_freq: torch.Tensor, kv_rank: int, rope_dim: int, context: int = 2048,
                 damping: float = 1e-6, selection: str = "score", metric: str = "diagonal",
-                W_o: torch.Tensor | None = None, rope_step: int | None = None) -> MLAFactors:
+                W_o: torch.Tensor | None = None, rope_step: int | None = None,
+                rotation_fit: RotationFitStatistics | None = None) -> MLAFactors:
     """The MLA weights of one layer (module docstring) from its q/k/v projections (weights [out, d], biases
     [out] or None) and the input statistics E[x xᵀ] [d, d], E[x] [d]. ``metric``: how the joint k/v fit
     weighs its rows, ``"diagonal"`` (key rows by their slot's query energy) or ``"output"`` (the score error
-    through the queries' covariance, the value error through ``W_o`` [d, h·dh])."""
+    through the queries' covariance, the value error through ``W_o`` [d, h·dh]). ``rotation_fit``: the attention
+statistics of this layer (linalg/mla_rotation_fit.py); with them each head's query part of every slot that loses
+its rotation goes through the fitted map M [2, 2] (without: M = I)."""
     f64 = dict(dtype=torch.float64, device=W_q.device)
     d, group = W_q.shape[1], n_heads // n_kv_heads
     m, slots = rope_dim // 2, n_kv_heads * head_dim // 2
@@ -221,16 +229,24 @@ def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: i
 
     k_pe = slot_rows(kept) @ Wk                                # [2m, d(+1)]
     k_nope = slot_rows(rest) @ Wk                              # [n_nope, d(+1)]
+    query_nope, fit_errors = [], [0.0, 0.0]                    # per head [n_nope, d(+1)]: a-rows, then b-rows
+    for i in range(n_heads):
+        q_nope = slot_rows(rest, for_head=i) @ Wq[i * head_dim:(i + 1) * head_dim]
+        if rotation_fit is not None and len(rest):
+            maps, errors = _unrotated_maps(rotation_fit, i, rest, U, n_kv_heads, group)
+            q_nope = maps @ q_nope
+            fit_errors = [fit_errors[0] + errors[0], fit_errors[1] + errors[1]]
+        query_nope.append(q_nope)
     if metric == "output":  # the errors as the layer sees them: key errors through the queries, values through o_proj
         if W_o is None:
             raise ValueError("metric='output' needs the output projection W_o")
-        query_nope = [slot_rows(rest, for_head=i) @ Wq[i * head_dim:(i + 1) * head_dim] for i in range(n_heads)]
         key_metric = _sqrt_psd(sum(q @ C @ q.T for q in query_nope)) if len(rest) else Wk.new_zeros(0, 0)
         W_o64 = W_o.to(**f64)
         value_metric = torch.block_diag(*[_sqrt_psd(sum(
             W_o64[:, i * head_dim:(i + 1) * head_dim].T @ W_o64[:, i * head_dim:(i + 1) * head_dim]
             for i in range(g * group, (g + 1) * group))) for g in range(n_kv_heads)])
     elif metric == "diagonal":  # key rows by their slot's query energy, values alike
+        # (weighing by the energy of the queries after the fitted maps instead scored worse: 199 against 185)
         nope_query = torch.stack([query_energy.reshape(-1)[rest]] * 2, 0).reshape(-1)  # [n_nope]: a-dims, b-dims
         key_metric = torch.diag((nope_query / nope_query.mean().clamp_min(1e-30)).sqrt().clamp_min(1e-6)
                                 if len(rest) else nope_query)
@@ -252,8 +268,7 @@ def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: i
         Q, R = W_uk.new_zeros(0, 0), W_uk.new_zeros(0, A.shape[0])
     heads = []
     for i in range(n_heads):
-        q_i = Wq[i * head_dim:(i + 1) * head_dim]               # [dh, d(+1)]
-        heads += [Q.T @ slot_rows(rest, for_head=i) @ q_i, slot_rows(kept, for_head=i) @ q_i]
+        heads += [Q.T @ query_nope[i], slot_rows(kept, for_head=i) @ Wq[i * head_dim:(i + 1) * head_dim]]
     q = torch.cat(heads)                                        # [h·(r' + 2m), d(+1)]
 
     def split(W, has_bias):
@@ -264,4 +279,23 @@ def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: i
     k_pe_weight, k_pe_bias = split(k_pe, b_k is not None)
     freq_index = (kept // n_kv_heads).to(torch.long)
     return MLAFactors(q_weight, q_bias, kv_a_weight, kv_a_bias, k_pe_weight, k_pe_bias, R, W_uv, freq_index,
-                      score.reshape(-1)[order])
+                      score.reshape(-1)[order], tuple(fit_errors) if rotation_fit is not None else None)
+
+
+def _unrotated_maps(stats: RotationFitStatistics, head: int, rest: torch.Tensor, U: torch.Tensor,
+                    n_kv_heads: int, group: int):
+    """[2n, 2n] block map on query head ``head``'s no-rotation rows (a-rows, then b-rows of the n slots
+    ``rest``): slot j's (a, b) go through its fitted M_j (linalg/mla_rotation_fit.py)."""
+    n = len(rest)
+    maps = stats.gram.new_zeros(2 * n, 2 * n)
+    errors = [0.0, 0.0]
+    for j, slot in enumerate(rest.tolist()):
+        f, c = divmod(slot, n_kv_heads)
+        M, before, after = slot_fit(stats, head, f, U[f, :, c])
+        weight = float(U[f, head // group, c]) ** 2  # the slot's share of this head's pair f
+        errors[0] += weight * before
+        errors[1] += weight * after
+        for a in range(2):
+            for b in range(2):
+                maps[a * n + j, b * n + j] = M[a, b]
+    return maps, errors

@@ -22,10 +22,13 @@ from ..adapters.mla_attention import check_mla_supported, mla_attention_from_fac
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
+from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
-from .calibration import capture_stream, collect_input_moments
+from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 
-__all__ = ["MLAConfig", "convert_to_mla", "shared_progression_step"]
+UNROTATED_FITS = ("attention", "none")
+
+__all__ = ["UNROTATED_FITS", "MLAConfig", "convert_to_mla", "rotation_fit_statistics", "shared_progression_step"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,12 @@ class MLAConfig(JsonRoundTrip):
                             choices=("diagonal", "output"))
     rope_step: int = option(0, "progression step s (frequencies 0, s, 2s, ...), one for every layer; 0: the step "
                             "of the highest score summed over the layers, on the original model's statistics")
+    unrotated_fit: str = option("attention", "the query side of the slots that lose RoPE: attention (a 2x2 map "
+                                "per head and slot, least squares to the original scores under the original "
+                                "attention) or none (the query as it is: exact at distance 0)",
+                                choices=UNROTATED_FITS)
+    fit_blocks: int = option(8, "calibration blocks whose attention the unrotated fit reads (the first ones)")
+    fit_queries: int = option(128, "queries per block in the unrotated fit, evenly spaced, the last included")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -59,8 +68,12 @@ class MLAConfig(JsonRoundTrip):
             raise ValueError(f"rope_selection must be one of {SLOT_SELECTIONS}, got {self.rope_selection!r}")
         if self.kv_metric not in ("diagonal", "output"):
             raise ValueError(f"kv_metric must be 'diagonal' or 'output', got {self.kv_metric!r}")
+        if self.unrotated_fit not in UNROTATED_FITS:
+            raise ValueError(f"unrotated_fit must be one of {UNROTATED_FITS}, got {self.unrotated_fit!r}")
         if self.rope_step < 0:
             raise ValueError(f"rope_step (--rope-step) must be >= 0 (0: chosen), got {self.rope_step}")
+        if self.fit_blocks < 1 or self.fit_queries < 1:
+            raise ValueError(f"fit_blocks and fit_queries must be >= 1, got {self.fit_blocks}, {self.fit_queries}")
         if self.rope_context < 1 or self.batch_size < 1 or self.damping <= 0:
             raise ValueError("rope_context and batch_size must be >= 1 and damping > 0; got "
                              f"{self.rope_context}, {self.batch_size}, {self.damping}")
@@ -88,6 +101,28 @@ def shared_progression_step(model: nn.Module, config: MLAConfig, calibration: to
     step = max(totals, key=lambda s: (totals[s], -s))
     log.info("progression step %d (summed normalised scores %s)", step, totals)
     return step
+
+
+@torch.no_grad()
+def rotation_fit_statistics(attention: nn.Module, layer: nn.Module, q: nn.Linear, k: nn.Linear, stream: LayerStream,
+                            layout, inv_freq: torch.Tensor, blocks: int, queries: int) -> RotationFitStatistics:
+    """The original attention's statistics for the no-rotation query maps (linalg/mla_rotation_fit.py), from
+    this layer's q/k projections over the first ``blocks`` calibration blocks of the stream (they start at
+    position 0, no padding), ``queries`` evenly spaced queries per block."""
+    stats = RotationFitStatistics.zeros(layout.n_heads, layout.n_kv_heads, layout.head_dim, device=q.weight.device)
+    scaling = float(getattr(attention, "scaling", layout.head_dim ** -0.5))
+    left = blocks
+    for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
+        if left <= 0:
+            break
+        x = layer_inputs(layer, {"q": q}, hidden, kwargs)["q"][:left]  # [b, n, d]
+        left -= x.shape[0]
+        b, n = x.shape[:2]
+        q_out = torch.nn.functional.linear(x, q.weight, q.bias).float().view(b, n, layout.n_heads, layout.head_dim)
+        k_out = torch.nn.functional.linear(x, k.weight, k.bias).float().view(b, n, layout.n_kv_heads, layout.head_dim)
+        stats.update(q_out, k_out, inv_freq, scaling, getattr(attention, "sliding_window", None),
+                     query_stride=max(1, n // queries))
+    return stats
 
 
 @torch.no_grad()
@@ -123,16 +158,22 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         t0 = time.perf_counter()
         q, k, v = (adapter.get_linear(layer, name) for name in ("q", "k", "v"))
         moments = collect_input_moments(layer, stream, {"q": q})["q"]  # q, k and v read the same input
+        fit = (rotation_fit_statistics(adapter.attention(layer), layer, q, k, stream, layout, inv_freq,
+                                       config.fit_blocks, config.fit_queries)
+               if config.unrotated_fit == "attention" else None)
         factors = mla_factors(q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, moments.second_moment,
                               moments.mean, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads,
                               head_dim=layout.head_dim, inv_freq=inv_freq, kv_rank=kv_rank, rope_dim=rope_dim,
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
-                              metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step)
+                              metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step,
+                              rotation_fit=fit)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)
         adapter.set_attention(layer, module)
         stream = stream.advance(layer)
         reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
+                        "unrotated_score_error": (None if factors.fit_errors is None else
+                                                  {"identity": factors.fit_errors[0], "fitted": factors.fit_errors[1]}),
                         "seconds": time.perf_counter() - t0})
         log.info("layer %d: MLA r=%d, rope %d, frequencies %s", index, module.kv_rank, module.rope_dim,
                  module.freq_index.tolist())
