@@ -54,7 +54,8 @@ def _naive_fit(q, k, inv_freq, scaling, head, f, mixing, window=None, queries=ra
                 rows_y.append(y)
                 weights.append(float(p[s]))
                 groups.append((batch, t))
-    phi, y, w = torch.stack(rows_phi), torch.tensor(rows_y, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64)
+    phi, y, w = torch.stack(rows_phi), torch.tensor(rows_y, **f64), torch.tensor(weights, **f64)
     # centre per query under its attention
     for key in set(groups):
         idx = torch.tensor([i for i, gr in enumerate(groups) if gr == key])

@@ -16,8 +16,8 @@ from .latent_attention import attention_resolver, eager_kernel
 from .latent_cache import latent_cache_layer
 from .registry import UnsupportedArchitectureError, adapter_for
 
-__all__ = ["check_mla_supported", "model_inv_freq", "empty_mla_attention", "mla_attention_from_factors",
-           "mla_attention_spec", "rebuild_mla_attention"]
+__all__ = ["check_mla_supported", "model_inv_freq", "attention_score_settings", "empty_mla_attention",
+           "mla_attention_from_factors", "mla_attention_spec", "rebuild_mla_attention"]
 
 CAPABILITY = "latent_attention"
 
@@ -52,6 +52,11 @@ def model_inv_freq(model: nn.Module) -> torch.Tensor:
     """θ_f [dh/2] of the model's rotary embedding (its scaling included)."""
     adapter = adapter_for(model)
     return model.get_submodule(adapter.rotary_path).inv_freq.detach().to(torch.float64)
+
+
+def attention_score_settings(model: nn.Module, attention: nn.Module) -> tuple[float, int | None]:
+    """(score scaling, sliding window or None) of HF ``attention``: what its softmax sees besides q and k."""
+    return float(attention.scaling), adapter_for(model).sliding_window(attention)
 
 
 def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> MLAAttention:

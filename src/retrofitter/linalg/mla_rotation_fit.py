@@ -96,7 +96,8 @@ class RotationFitStatistics:
                 scores = (qr[:, i].reshape(t, -1) @ kr[:, gi].reshape(n, -1).T) * scaling
                 p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)  # [t, s]
                 k_mean = (p @ kp.permute(0, 2, 1, 3).reshape(n, -1)).view(t, -1, g, 2)  # [t, F, g, 2]
-                k_cov = (p @ kk).view(t, -1, g, g, 2, 2) - k_mean[:, :, :, None, :, None] * k_mean[:, :, None, :, None, :]
+                k_cov = ((p @ kk).view(t, -1, g, g, 2, 2)                            # Cov_p [t, F, g, g, 2, 2]
+                         - k_mean[:, :, :, None, :, None] * k_mean[:, :, None, :, None, :])
                 qi = qp[:, i]                                                        # [t, F, 2]
                 self.gram[i] += torch.einsum("tfb,tfc,tfghad->fghabdc", qi, qi, k_cov).to(self.gram)
                 # Y[f, g, t, s]: pair f's score term of query t and key s of kv head g (batched matrix products

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..adapters.mla_attention import check_mla_supported, mla_attention_from_factors, model_inv_freq
+from ..adapters.mla_attention import (attention_score_settings, check_mla_supported, mla_attention_from_factors,
+                                      model_inv_freq)
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
@@ -104,13 +105,14 @@ def shared_progression_step(model: nn.Module, config: MLAConfig, calibration: to
 
 
 @torch.no_grad()
-def rotation_fit_statistics(attention: nn.Module, layer: nn.Module, q: nn.Linear, k: nn.Linear, stream: LayerStream,
-                            layout, inv_freq: torch.Tensor, blocks: int, queries: int) -> RotationFitStatistics:
+def rotation_fit_statistics(scores: tuple[float, int | None], layer: nn.Module, q: nn.Linear, k: nn.Linear,
+                            stream: LayerStream, layout, inv_freq: torch.Tensor, blocks: int,
+                            queries: int) -> RotationFitStatistics:
     """The original attention's statistics for the no-rotation query maps (linalg/mla_rotation_fit.py), from
     this layer's q/k projections over the first ``blocks`` calibration blocks of the stream (they start at
-    position 0, no padding), ``queries`` evenly spaced queries per block."""
+    position 0, no padding), ``queries`` evenly spaced queries per block; ``scores``: (scaling, sliding window)."""
     stats = RotationFitStatistics.zeros(layout.n_heads, layout.n_kv_heads, layout.head_dim, device=q.weight.device)
-    scaling = float(getattr(attention, "scaling", layout.head_dim ** -0.5))
+    scaling, window = scores
     left = blocks
     for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
         if left <= 0:
@@ -120,8 +122,7 @@ def rotation_fit_statistics(attention: nn.Module, layer: nn.Module, q: nn.Linear
         b, n = x.shape[:2]
         q_out = torch.nn.functional.linear(x, q.weight, q.bias).float().view(b, n, layout.n_heads, layout.head_dim)
         k_out = torch.nn.functional.linear(x, k.weight, k.bias).float().view(b, n, layout.n_kv_heads, layout.head_dim)
-        stats.update(q_out, k_out, inv_freq, scaling, getattr(attention, "sliding_window", None),
-                     query_stride=max(1, n // queries))
+        stats.update(q_out, k_out, inv_freq, scaling, window, query_stride=max(1, n // queries))
     return stats
 
 
@@ -158,8 +159,8 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         t0 = time.perf_counter()
         q, k, v = (adapter.get_linear(layer, name) for name in ("q", "k", "v"))
         moments = collect_input_moments(layer, stream, {"q": q})["q"]  # q, k and v read the same input
-        fit = (rotation_fit_statistics(adapter.attention(layer), layer, q, k, stream, layout, inv_freq,
-                                       config.fit_blocks, config.fit_queries)
+        fit = (rotation_fit_statistics(attention_score_settings(model, adapter.attention(layer)), layer, q, k, stream,
+                                       layout, inv_freq, config.fit_blocks, config.fit_queries)
                if config.unrotated_fit == "attention" else None)
         factors = mla_factors(q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, moments.second_moment,
                               moments.mean, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads,
