@@ -190,8 +190,9 @@ def mla_factors(W_q, b_q, W_k, b_k, W_v, b_v, second_moment, mean, *, n_heads: i
     [out] or None) and the input statistics E[x xᵀ] [d, d], E[x] [d]. ``metric``: how the joint k/v fit
     weighs its rows, ``"diagonal"`` (key rows by their slot's query energy) or ``"output"`` (the score error
     through the queries' covariance, the value error through ``W_o`` [d, h·dh]). ``rotation_fit``: the attention
-statistics of this layer (linalg/mla_rotation_fit.py); with them each head's query part of every slot that loses
-its rotation goes through the fitted map M [2, 2] (without: M = I)."""
+    statistics of this layer (linalg/mla_rotation_fit.py); with them each head's query part of every slot that
+    loses its rotation goes through the fitted map M [2, 2] (without: M = I; the ``"output"`` metric then weighs
+    key errors by the mapped queries)."""
     f64 = dict(dtype=torch.float64, device=W_q.device)
     d, group = W_q.shape[1], n_heads // n_kv_heads
     m, slots = rope_dim // 2, n_kv_heads * head_dim // 2
@@ -283,9 +284,10 @@ its rotation goes through the fitted map M [2, 2] (without: M = I)."""
 
 
 def _unrotated_maps(stats: RotationFitStatistics, head: int, rest: torch.Tensor, U: torch.Tensor,
-                    n_kv_heads: int, group: int):
-    """[2n, 2n] block map on query head ``head``'s no-rotation rows (a-rows, then b-rows of the n slots
-    ``rest``): slot j's (a, b) go through its fitted M_j (linalg/mla_rotation_fit.py)."""
+                    n_kv_heads: int, group: int) -> tuple[torch.Tensor, list[float]]:
+    """([2n, 2n] block map, [error with M = I, error with M] summed over the slots) on query head ``head``'s
+    no-rotation rows (a-rows, then b-rows of the n slots ``rest``): slot j's (a, b) go through its fitted M_j
+    (linalg/mla_rotation_fit.py)."""
     n = len(rest)
     maps = stats.gram.new_zeros(2 * n, 2 * n)
     errors = [0.0, 0.0]
