@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from common import eval_blocks, machine_info, perplexities
 
+from retrofitter import MLAConfig
 from retrofitter.api import convert_to_mla, load_model
-from retrofitter.data.blocks import token_blocks
+from retrofitter.data.blocks import calibration_blocks
 from retrofitter.data.corpora import load_text
 from retrofitter.eval.passkey import passkey_accuracy
-from retrofitter.pipelines.mla import MLAConfig
 
 
 def parse_variant(text: str) -> tuple[str, MLAConfig]:
@@ -58,7 +58,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variant]
     results = json.loads(args.json.read_text()) if args.json.exists() else {"machine": machine_info(), "variants": {}}
     _, tokenizer = load_model(args.model)
-    calibration = token_blocks(tokenizer, load_text("wiki-calib"), 512, max_blocks=args.calib_samples)
+    calibration = calibration_blocks(tokenizer, load_text("wiki-calib"), 512, args.calib_samples)
     blocks = eval_blocks(tokenizer, args.eval.split(","), 512, args.max_eval_tokens)
     contexts = tuple(int(c) for c in args.passkey.split(",") if c)
     for name, config in variants:
