@@ -213,14 +213,17 @@ def compress(model: nn.Module, config: CompressConfig, calibration: torch.Tensor
                           remove_checkpoint=remove_checkpoint, parallel=parallel or SINGLE_PROCESS)
 
 
-def convert_to_mla(model: nn.Module, config, calibration: torch.Tensor, progress: bool = True) -> tuple[nn.Module, dict]:
-    """Convert every attention layer of ``model`` to Multi-head Latent Attention in place (training-free, on
-    ``calibration`` token blocks [n, seq_len]); ``config`` is a ``pipelines.mla.MLAConfig`` (None: its
-    defaults, KV 0.25). Returns ``(model, report)``."""
+def convert_to_mla(model: nn.Module, config, calibration: torch.Tensor, progress: bool = True,
+                   checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
+    """Convert every attention layer of ``model`` to Multi-head Latent Attention in place (on ``calibration`` token
+    blocks [n, seq_len]; training-free unless ``config.transfer_epochs``); ``config`` is a
+    ``pipelines.mla.MLAConfig`` (None: its defaults, KV 0.25). ``checkpoint_dir``: resumable, layer by layer.
+    Returns ``(model, report)``."""
     from .pipelines.mla import MLAConfig
     from .pipelines.mla import convert_to_mla as convert
 
-    return convert(model, config or MLAConfig(), calibration, progress=progress)
+    return convert(model, config or MLAConfig(), calibration, progress=progress, checkpoint_dir=checkpoint_dir,
+                   remove_checkpoint=remove_checkpoint)
 
 
 def teacher_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8, progress: bool = True) -> dict:

@@ -1,4 +1,4 @@
-"""``retrofitter mla``: attention converted to Multi-head Latent Attention, training-free, saved and evaluated."""
+"""``retrofitter mla``: attention converted to Multi-head Latent Attention (resumable), saved and evaluated."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ..api import convert_to_mla, evaluate_record
 from ..config import MLA_CALIB_SAMPLES, EvalConfig
 from ..data.corpora import check_corpus
 from ..eval.accounting import account
-from ..preflight import eval_lengths
+from ..preflight import eval_lengths, partial_dir
 from .compress import corpus_calibration_blocks
 from .scaffold import NO_EVAL, OutputJob, load_checked
 
@@ -27,14 +27,16 @@ def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, 
         raise ValueError(f"--calib-samples must be >= 1, got {calib_samples}")
     check_corpus(calib, "--calib")
     job = OutputJob.start(out, overwrite, eval_config, {"MODEL": model_name, "--calib": calib},
-                          device=device).one_process("mla")
+                          {"the resume directory": partial_dir(out)}, device=device).one_process("mla")
     with job.writing():
         start = time.perf_counter()
         model, tokenizer = load_checked(model_name, {"--seq-len": seq_len, **eval_lengths(eval_config)},
                                         dtype=dtype, device=device)
         before = account(model)
         calibration = corpus_calibration_blocks(tokenizer, calib, seq_len, calib_samples)
-        model, report = convert_to_mla(model, config, calibration, progress=progress)
+        # resumable layer by layer in OUT's partial directory, removed once OUT is saved
+        model, report = convert_to_mla(model, config, calibration, progress=progress,
+                                       checkpoint_dir=partial_dir(job.out), remove_checkpoint=False)
         metadata = {"method": "mla", "ratio": None, "source_model": model_name, "config": config.to_dict(),
                     "calibration": {"corpus": calib, "blocks": calibration.shape[0], "seq_len": seq_len},
                     "kv_rank": report["kv_rank"], "rope_dim": report["rope_dim"]}

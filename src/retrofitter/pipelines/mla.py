@@ -19,13 +19,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters.mla_attention import (attention_score_settings, check_mla_supported, mla_attention_from_factors,
-                                      model_inv_freq)
+                                      model_inv_freq, rebuild_mla_attention)
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
 from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
+from .mla_transfer import attention_batches, transfer_attention
+from .resume import RunDirectory, fingerprint
 
 UNROTATED_FITS = ("attention", "none")
 
@@ -55,6 +57,11 @@ class MLAConfig(JsonRoundTrip):
                                 choices=UNROTATED_FITS)
     fit_blocks: int = option(8, "calibration blocks whose attention the unrotated fit reads (the first ones)")
     fit_queries: int = option(128, "queries per block in the unrotated fit, evenly spaced, the last included")
+    transfer_epochs: int = option(0, "epochs of attention transfer after each layer's closed-form fit: the MLA "
+                                  "module learns the original attention's output on the calibration stream "
+                                  "(0: training-free)")
+    transfer_lr: float = option(1e-3, "peak Adam learning rate of the attention transfer (cosine decay to 0)")
+    transfer_batch: int = option(4, "calibration blocks per attention-transfer step")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -75,6 +82,9 @@ class MLAConfig(JsonRoundTrip):
             raise ValueError(f"rope_step (--rope-step) must be >= 0 (0: chosen), got {self.rope_step}")
         if self.fit_blocks < 1 or self.fit_queries < 1:
             raise ValueError(f"fit_blocks and fit_queries must be >= 1, got {self.fit_blocks}, {self.fit_queries}")
+        if self.transfer_epochs < 0 or self.transfer_batch < 1 or self.transfer_lr <= 0:
+            raise ValueError(f"transfer_epochs must be >= 0, transfer_batch >= 1 and transfer_lr > 0; got "
+                             f"{self.transfer_epochs}, {self.transfer_batch}, {self.transfer_lr}")
         if self.rope_context < 1 or self.batch_size < 1 or self.damping <= 0:
             raise ValueError("rope_context and batch_size must be >= 1 and damping > 0; got "
                              f"{self.rope_context}, {self.batch_size}, {self.damping}")
@@ -126,10 +136,27 @@ def rotation_fit_statistics(scores: tuple[float, int | None], layer: nn.Module, 
     return stats
 
 
+def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter, stream: LayerStream) -> LayerStream:
+    """The layers a previous run finished, rebuilt from the work directory, and the stream leaving the last one."""
+    layers = adapter.decoder_layers(model)
+    for index in range(state["layers_done"]):
+        layer = layers[index]
+        adapter.set_attention(layer, rebuild_mla_attention(state["specs"][index], adapter.attention(layer), model))
+        layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
+    saved = run_dir.load_tensors("stream")
+    return LayerStream([saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)], stream.layer_kwargs,
+                       stream.token_count)
+
+
 @torch.no_grad()
-def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tensor,
-                   progress: bool = True) -> tuple[nn.Module, dict]:
-    """Convert ``model`` in place (calibration token blocks [n, seq_len]); returns (model, report)."""
+def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tensor, progress: bool = True,
+                   checkpoint_dir=None, remove_checkpoint: bool = True) -> tuple[nn.Module, dict]:
+    """Convert ``model`` in place (calibration token blocks [n, seq_len]); returns (model, report).
+
+    ``checkpoint_dir`` makes the run resumable: after each layer its weights, the stream leaving it and the
+    reports are written there (``pipelines.resume.RunDirectory``, fingerprinted by the settings, the calibration
+    and the model); a rerun continues after the last finished layer. The directory is removed at the end unless
+    ``remove_checkpoint`` is False (the caller removes it once the output is saved)."""
     start = time.perf_counter()
     check_mla_supported(model)
     adapter = adapter_for(model)
@@ -150,12 +177,24 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                          f"need (m - 1)·s < {layout.head_dim // 2}")
     inv_freq = model_inv_freq(model)
     model.eval()
-    step = None
-    if config.rope_selection == "progression":
+    run_dir = state = None
+    if checkpoint_dir is not None:
+        run_dir = RunDirectory(checkpoint_dir, fingerprint(config.to_dict(), calibration,
+                                                           str(getattr(model, "name_or_path", "")),
+                                                           model.config.to_dict()))
+        state = run_dir.load_progress()
+    step = None if state is None else state["rope_step"]
+    if config.rope_selection == "progression" and state is None:
         step = config.rope_step or shared_progression_step(model, config, calibration, rope_dim // 2, progress)
     stream = capture_stream(model, adapter, calibration, config.batch_size)
-    reports = []
+    reports, specs, done = [], [], 0
+    if state is not None:
+        stream = _restore(run_dir, state, model, adapter, stream)
+        reports, specs, done = state["reports"], state["specs"], state["layers_done"]
+        log.info("resuming the MLA conversion after layer %d from %s", done - 1, run_dir.path)
     for index, layer in enumerate(tqdm(layers, desc=f"mla kv {config.kv_ratio:g}", disable=not progress)):
+        if index < done:
+            continue
         t0 = time.perf_counter()
         q, k, v = (adapter.get_linear(layer, name) for name in ("q", "k", "v"))
         moments = collect_input_moments(layer, stream, {"q": q})["q"]  # q, k and v read the same input
@@ -168,16 +207,29 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
                               metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step,
                               rotation_fit=fit)
+        batches = (attention_batches(layer, adapter.attention(layer), stream) if config.transfer_epochs else None)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)
         adapter.set_attention(layer, module)
+        transfer = (transfer_attention(module, batches, epochs=config.transfer_epochs, lr=config.transfer_lr,
+                                       batch_blocks=config.transfer_batch, seed=index)
+                    if batches is not None else None)
+        del batches
         stream = stream.advance(layer)
         reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
                         "unrotated_score_error": (None if factors.fit_errors is None else
                                                   {"identity": factors.fit_errors[0], "fitted": factors.fit_errors[1]}),
+                        "transfer": transfer,
                         "seconds": time.perf_counter() - t0})
-        log.info("layer %d: MLA r=%d, rope %d, frequencies %s", index, module.kv_rank, module.rope_dim,
-                 module.freq_index.tolist())
+        log.info("layer %d: MLA r=%d, rope %d, frequencies %s, transfer %s", index, module.kv_rank, module.rope_dim,
+                 module.freq_index.tolist(), transfer)
+        specs.append(module.spec())
+        if run_dir is not None:
+            run_dir.save_tensors(f"layer_{index}", layer.state_dict())
+            run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
+            run_dir.save_progress({"layers_done": index + 1, "reports": reports, "specs": specs, "rope_step": step})
+    if run_dir is not None and remove_checkpoint:
+        run_dir.remove()
     original = 2 * layout.n_kv_heads * layout.head_dim
     return model, {"method": "mla", "config": config.to_dict(), "kv_rank": kv_rank, "rope_dim": rope_dim,
                    "rope_step": step,

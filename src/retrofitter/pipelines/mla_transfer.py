@@ -1,0 +1,139 @@
+"""Attention transfer for MLA: after a layer's closed-form conversion, its ``MLAAttention`` learns the original
+attention's output on the calibration stream (LoLCATs' stage 1, here on every tensor of the new module).
+
+For layer l with attention inputs x (the stream entering the *converted* layers 0 … l − 1, after the layer's
+input norm) and the original attention's outputs y = Attn_l(x) [b, n, d] (after ``o_proj``), Adam minimises
+
+    E(θ) = Σ_batches ‖MLA_θ(x) − y‖² / Σ_batches ‖y‖²                  (relative squared error)
+
+over θ = q_proj, kv_a_proj, k_pe_proj, K_up, V_up and o_proj, ``epochs`` passes over the calibration blocks in a
+seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine decay to 0. E is measured on every
+block before and after; if training did not lower it the closed-form weights are put back, so the transfer never
+leaves a layer worse on its calibration data (at the full budget the closed form is exact and stays so).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+__all__ = ["AttentionBatch", "attention_batches", "relative_output_error", "transfer_attention"]
+
+
+class _AttentionCalled(Exception):
+    """Raised by the hook once the attention has run: the rest of the decoder layer need not."""
+
+
+class AttentionBatch:
+    """One block of the stream as the attention saw it: its keyword arguments (``hidden_states`` [b, n, d],
+    rotary tables, mask, …) and the original attention's output ``target`` [b, n, d]."""
+
+    def __init__(self, kwargs: dict, target: torch.Tensor):
+        self.kwargs, self.target = kwargs, target
+
+    def split(self, blocks: int) -> list["AttentionBatch"]:
+        """Pieces of at most ``blocks`` rows; every batch-shaped tensor (first dim b) is cut alike."""
+        b = self.target.shape[0]
+        return [AttentionBatch({k: _rows(v, b, s, s + blocks) for k, v in self.kwargs.items()},
+                               self.target[s:s + blocks]) for s in range(0, b, blocks)]
+
+
+def _rows(value, batch: int, start: int, stop: int):
+    if isinstance(value, torch.Tensor):
+        return value[start:stop] if value.ndim and value.shape[0] == batch else value
+    if isinstance(value, tuple):
+        return tuple(_rows(v, batch, start, stop) for v in value)
+    return value
+
+
+@torch.no_grad()
+def attention_batches(layer: nn.Module, attention: nn.Module, stream) -> list[AttentionBatch]:
+    """Per batch of ``stream`` (a ``calibration.LayerStream``): what ``attention`` (inside ``layer``) receives and
+    returns when ``layer`` runs on it. The layer stops right after the attention (nothing else runs)."""
+    batches: list[AttentionBatch] = []
+
+    def record(_module, args, kwargs, output):
+        kwargs = dict(kwargs)
+        if args:
+            kwargs["hidden_states"] = args[0]
+        for name in ("past_key_values", "past_key_value", "cache"):  # the transfer runs without a cache
+            kwargs.pop(name, None)
+        kwargs["hidden_states"] = kwargs["hidden_states"].detach()
+        batches.append(AttentionBatch(kwargs, (output[0] if isinstance(output, tuple) else output).detach()))
+        raise _AttentionCalled
+
+    handle = attention.register_forward_hook(record, with_kwargs=True)
+    try:
+        for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
+            try:
+                layer(hidden, **kwargs)
+            except _AttentionCalled:
+                pass
+    finally:
+        handle.remove()
+    return batches
+
+
+def _output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
+    out = module(**batch.kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> float:
+    """Σ‖module(x) − y‖² / Σ‖y‖² over ``batches`` (float64 sums)."""
+    error = energy = 0.0
+    for batch in batches:
+        target = batch.target.double()
+        error += float((_output(module, batch).double() - target).pow(2).sum())
+        energy += float(target.pow(2).sum())
+    return error / max(energy, 1e-300)
+
+
+def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
+                       batch_blocks: int, seed: int = 0) -> dict:
+    """Train every parameter of ``module`` to reproduce ``batches``' targets (module docstring); returns
+    {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights were kept)."""
+    start = time.perf_counter()
+    pieces = [piece for batch in batches for piece in batch.split(batch_blocks)]
+    parameters = [p for p in module.parameters()]
+    initial = [p.detach().clone() for p in parameters]
+    was_training = module.training
+    module.train()
+    before = relative_output_error(module, batches)
+    energy = sum(float(batch.target.double().pow(2).sum()) for batch in batches)
+    tokens = sum(batch.target.shape[0] * batch.target.shape[1] for batch in batches)
+    scale = tokens / max(energy, 1e-300)  # the loss is O(1): squared error over the mean squared target
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    steps, total = 0, epochs * len(pieces)
+    flags = [p.requires_grad for p in parameters]
+    with torch.enable_grad():
+        for p in parameters:
+            p.requires_grad_(True)
+        for _ in range(epochs):
+            for index in torch.randperm(len(pieces), generator=generator).tolist():
+                piece = pieces[index]
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * steps / total))
+                out = _output(module, piece)
+                n = piece.target.shape[0] * piece.target.shape[1]
+                loss = (out.float() - piece.target.float()).pow(2).sum() * (scale / n)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                steps += 1
+    for p, flag in zip(parameters, flags):
+        p.requires_grad_(flag)
+    after = relative_output_error(module, batches)
+    kept = after < before
+    if not kept:
+        with torch.no_grad():
+            for p, value in zip(parameters, initial):
+                p.copy_(value)
+    module.train(was_training)
+    return {"error_before": before, "error_after": after if kept else before, "steps": steps, "kept": kept,
+            "seconds": time.perf_counter() - start}

@@ -1,0 +1,124 @@
+"""Attention transfer of the MLA conversion (pipelines/mla_transfer.py) on tiny models: it lowers each layer's
+output error against the original attention on the calibration stream, never leaves a layer worse (an exact
+full-budget layer stays exact), touches only the MLA modules, and epochs 0 is the training-free conversion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retrofitter.adapters.registry import adapter_for
+from retrofitter.modules.mla_attention import MLAAttention
+from retrofitter.pipelines.calibration import capture_stream
+from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
+from retrofitter.pipelines.mla_transfer import AttentionBatch, attention_batches, relative_output_error
+from tiny_models import TINY_VOCAB, strong_tiny
+
+CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _convert(family, epochs, kv_ratio=0.25, **settings):
+    model = strong_tiny(family, dtype=torch.float32)
+    _, report = convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, transfer_epochs=epochs, transfer_batch=2,
+                                                **settings), CALIBRATION, progress=False)
+    return model, report
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_transfer_lowers_every_layers_output_error_and_reports_it(family):
+    model, report = _convert(family, epochs=20, transfer_lr=3e-3)
+    for layer in report["layers"]:
+        transfer = layer["transfer"]
+        assert transfer["steps"] == 20 * 3  # 6 blocks in pieces of 2
+        assert transfer["kept"] and transfer["error_after"] < 0.9 * transfer["error_before"], transfer
+    free, free_report = _convert(family, epochs=0)
+    assert all(layer["transfer"] is None for layer in free_report["layers"])
+    free_state = free.state_dict()
+    for name, value in model.state_dict().items():  # only the attention modules were trained
+        if ".self_attn." not in name:
+            torch.testing.assert_close(value, free_state[name], rtol=0, atol=0, msg=name)
+    # the first layer sees the same stream in both runs: its closed form is the same, its transfer error is not
+    stream = capture_stream(strong_tiny(family, dtype=torch.float32), adapter_for(free), CALIBRATION, 8)
+    original = strong_tiny(family, dtype=torch.float32)
+    first = original.model.layers[0]
+    batches = attention_batches(first, first.self_attn, stream)
+    errors = [relative_output_error(m.model.layers[0].self_attn, batches) for m in (free, model)]
+    assert errors[1] == pytest.approx(report["layers"][0]["transfer"]["error_after"], rel=1e-4)
+    assert errors[0] == pytest.approx(report["layers"][0]["transfer"]["error_before"], rel=1e-4)
+
+
+def test_attention_batches_hold_what_the_attention_saw():
+    model = strong_tiny("llama", dtype=torch.float64)
+    adapter = adapter_for(model)
+    layer = adapter.decoder_layers(model)[0]
+    stream = capture_stream(model, adapter, CALIBRATION, 4)  # batches of 4 and 2 blocks
+    batches = attention_batches(layer, adapter.attention(layer), stream)
+    assert [b.target.shape[0] for b in batches] == [4, 2]
+    assert all("past_key_values" not in b.kwargs for b in batches)
+    # the original attention on the captured inputs reproduces the captured outputs: error 0
+    assert relative_output_error(adapter.attention(layer), batches) == 0.0
+    pieces = batches[0].split(3)
+    assert [p.target.shape[0] for p in pieces] == [3, 1]
+    assert pieces[1].kwargs["hidden_states"].shape[0] == 1
+    joined = torch.cat([p.kwargs["hidden_states"] for p in pieces])
+    torch.testing.assert_close(joined, batches[0].kwargs["hidden_states"], rtol=0, atol=0)
+    assert isinstance(pieces[0], AttentionBatch)
+
+
+def test_an_exact_layer_stays_exact_and_only_mla_modules_change():
+    model, report = _convert("llama", epochs=3, kv_ratio=1.0, rope_fraction=0.5, rope_selection="score",
+                             damping=1e-9)
+    reference, _ = _convert("llama", epochs=0, kv_ratio=1.0, rope_fraction=0.5, rope_selection="score",
+                            damping=1e-9)
+    # Adam moves an exact layer by about lr per step whatever its gradient: the kept check puts it back
+    for layer in report["layers"]:
+        assert not layer["transfer"]["kept"] and layer["transfer"]["error_after"] < 1e-8
+    for (name, got), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    assert all(isinstance(layer.self_attn, MLAAttention) for layer in model.model.layers)
+
+
+def test_transfer_settings_are_checked():
+    for bad in ({"transfer_epochs": -1}, {"transfer_batch": 0}, {"transfer_lr": 0.0}):
+        with pytest.raises(ValueError, match="transfer"):
+            MLAConfig(**bad)
+
+
+def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypatch):
+    import retrofitter.pipelines.mla as mla_pipeline
+
+    config = MLAConfig(kv_ratio=0.25, transfer_epochs=2, transfer_batch=2)
+    reference = strong_tiny("llama", dtype=torch.float32)
+    _, expected_report = convert_to_mla(reference, config, CALIBRATION, progress=False)
+    build, calls = mla_pipeline.mla_attention_from_factors, []
+
+    def failing_second_layer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the run stops inside layer 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(mla_pipeline, "mla_attention_from_factors", failing_second_layer)
+    work = tmp_path / "partial"
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_mla(strong_tiny("llama", dtype=torch.float32), config, CALIBRATION, progress=False,
+                       checkpoint_dir=work)
+    assert (work / "layer_0.safetensors").is_file() and not (work / "layer_1.safetensors").exists()
+    calls.clear()
+    model, report = convert_to_mla(strong_tiny("llama", dtype=torch.float32), config, CALIBRATION, progress=False,
+                                   checkpoint_dir=work)
+    assert len(calls) == 1  # only layer 1 was converted again
+    assert not work.exists()  # removed once the run completed
+    assert report["layers"][0]["transfer"]["error_after"] == expected_report["layers"][0]["transfer"]["error_after"]
+    expected = reference.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(Exception, match="different run"):  # another run's work directory is never reused
+        bad = tmp_path / "other"
+        monkeypatch.setattr(mla_pipeline, "mla_attention_from_factors", failing_second_layer)
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            convert_to_mla(strong_tiny("llama", dtype=torch.float32), config, CALIBRATION, progress=False,
+                           checkpoint_dir=bad)
+        convert_to_mla(strong_tiny("llama", dtype=torch.float32), MLAConfig(kv_ratio=0.5), CALIBRATION,
+                       progress=False, checkpoint_dir=bad)
