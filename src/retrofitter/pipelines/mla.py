@@ -1,10 +1,12 @@
-"""``retrofitter mla``: convert every attention layer to Multi-head Latent Attention, training-free.
+"""``retrofitter mla``: convert every attention layer to Multi-head Latent Attention (closed form, then optionally
+an attention transfer per layer: pipelines/mla_transfer.py).
 
 One pass over the layers (llm-compressor's shape: the loop owns the layers, the math is linalg/mla.py):
 the calibration stream enters layer l, the second moment of the attention input is collected, the layer's
 q/k/v become MLA factors (shared rotary slots + one whitened joint k/v latent), the attention module is
-swapped for ``MLAAttention`` (absorbed execution), and the stream leaves through the *converted* layer, so
-layer l + 1 is fitted on what it will see. Budget per layer: ``kv_ratio`` · 2·g·dh cached numbers per
+swapped for ``MLAAttention`` (absorbed execution), with ``transfer_epochs`` > 0 trained to reproduce the original
+attention's output on the stream, and the stream leaves through the *converted* layer, so layer l + 1 is fitted on
+what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer. Budget per layer: ``kv_ratio`` · 2·g·dh cached numbers per
 token, ``rope_fraction`` of them in the shared rotary key (``linalg.mla.mla_budget``).
 """
 
