@@ -41,7 +41,7 @@ def test_transfer_lowers_every_layers_output_error_and_reports_it(family):
     stream = capture_stream(strong_tiny(family, dtype=torch.float32), adapter_for(free), CALIBRATION, 8)
     original = strong_tiny(family, dtype=torch.float32)
     first = original.model.layers[0]
-    batches = attention_batches(first, first.self_attn, stream)
+    batches = attention_batches(first, first.self_attn, stream, adapter_for(original).cache_kwarg)
     errors = [relative_output_error(m.model.layers[0].self_attn, batches) for m in (free, model)]
     assert errors[1] == pytest.approx(report["layers"][0]["transfer"]["error_after"], rel=1e-4)
     assert errors[0] == pytest.approx(report["layers"][0]["transfer"]["error_before"], rel=1e-4)
@@ -52,9 +52,9 @@ def test_attention_batches_hold_what_the_attention_saw():
     adapter = adapter_for(model)
     layer = adapter.decoder_layers(model)[0]
     stream = capture_stream(model, adapter, CALIBRATION, 4)  # batches of 4 and 2 blocks
-    batches = attention_batches(layer, adapter.attention(layer), stream)
+    batches = attention_batches(layer, adapter.attention(layer), stream, adapter.cache_kwarg)
     assert [b.target.shape[0] for b in batches] == [4, 2]
-    assert all("past_key_values" not in b.kwargs for b in batches)
+    assert all(adapter.cache_kwarg not in b.kwargs for b in batches)
     # the original attention on the captured inputs reproduces the captured outputs: error 0
     assert relative_output_error(adapter.attention(layer), batches) == 0.0
     pieces = batches[0].split(3)

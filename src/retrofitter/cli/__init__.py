@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_flags(compress)
 
     mla = commands.add_parser("mla", help="Multi-head Latent Attention (DeepSeek layout) by conversion: a small "
-                              "latent k/v cache with one shared rotary key, absorbed execution (training-free)")
+                              "latent k/v cache with one shared rotary key, absorbed execution (training-free; "
+                              "--transfer-epochs trains each layer on the original attention's output)")
     mla.add_argument("model")
     add_config_flags(mla, MLAConfig)
     mla.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")

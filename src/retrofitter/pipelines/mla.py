@@ -6,8 +6,9 @@ the calibration stream enters layer l, the second moment of the attention input 
 q/k/v become MLA factors (shared rotary slots + one whitened joint k/v latent), the attention module is
 swapped for ``MLAAttention`` (absorbed execution), with ``transfer_epochs`` > 0 trained to reproduce the original
 attention's output on the stream, and the stream leaves through the *converted* layer, so layer l + 1 is fitted on
-what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer. Budget per layer: ``kv_ratio`` · 2·g·dh cached numbers per
-token, ``rope_fraction`` of them in the shared rotary key (``linalg.mla.mla_budget``).
+what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer. Budget per layer:
+``kv_ratio`` · 2·g·dh cached numbers per token, ``rope_fraction`` of them in the shared rotary key
+(``linalg.mla.mla_budget``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_t
 from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
+from .layer_checkpoint import save_layer_progress
 from .mla_transfer import attention_batches, transfer_attention
 from .resume import RunDirectory, fingerprint
 
@@ -143,7 +145,8 @@ def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter, stre
     layers = adapter.decoder_layers(model)
     for index in range(state["layers_done"]):
         layer = layers[index]
-        adapter.set_attention(layer, rebuild_mla_attention(state["specs"][index], adapter.attention(layer), model))
+        spec = state["reports"][index]["spec"]
+        adapter.set_attention(layer, rebuild_mla_attention(spec, adapter.attention(layer), model))
         layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
     saved = run_dir.load_tensors("stream")
     return LayerStream([saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)], stream.layer_kwargs,
@@ -185,14 +188,14 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                                                            str(getattr(model, "name_or_path", "")),
                                                            model.config.to_dict()))
         state = run_dir.load_progress()
-    step = None if state is None else state["rope_step"]
+    step = None if state is None else state["reports"][0]["rope_step"]
     if config.rope_selection == "progression" and state is None:
         step = config.rope_step or shared_progression_step(model, config, calibration, rope_dim // 2, progress)
     stream = capture_stream(model, adapter, calibration, config.batch_size)
-    reports, specs, done = [], [], 0
+    reports, done = [], 0
     if state is not None:
         stream = _restore(run_dir, state, model, adapter, stream)
-        reports, specs, done = state["reports"], state["specs"], state["layers_done"]
+        reports, done = state["reports"], state["layers_done"]
         log.info("resuming the MLA conversion after layer %d from %s", done - 1, run_dir.path)
     for index, layer in enumerate(tqdm(layers, desc=f"mla kv {config.kv_ratio:g}", disable=not progress)):
         if index < done:
@@ -209,7 +212,8 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
                               metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step,
                               rotation_fit=fit)
-        batches = (attention_batches(layer, adapter.attention(layer), stream) if config.transfer_epochs else None)
+        batches = (attention_batches(layer, adapter.attention(layer), stream, adapter.cache_kwarg)
+                   if config.transfer_epochs else None)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)
         adapter.set_attention(layer, module)
         transfer = (transfer_attention(module, batches, epochs=config.transfer_epochs, lr=config.transfer_lr,
@@ -221,15 +225,12 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
                         "unrotated_score_error": (None if factors.fit_errors is None else
                                                   {"identity": factors.fit_errors[0], "fitted": factors.fit_errors[1]}),
-                        "transfer": transfer,
+                        "transfer": transfer, "spec": module.spec(), "rope_step": step,
                         "seconds": time.perf_counter() - t0})
         log.info("layer %d: MLA r=%d, rope %d, frequencies %s, transfer %s", index, module.kv_rank, module.rope_dim,
                  module.freq_index.tolist(), transfer)
-        specs.append(module.spec())
-        if run_dir is not None:
-            run_dir.save_tensors(f"layer_{index}", layer.state_dict())
-            run_dir.save_tensors("stream", {f"batch_{i}": h for i, h in enumerate(stream.hidden)})
-            run_dir.save_progress({"layers_done": index + 1, "reports": reports, "specs": specs, "rope_step": step})
+        if run_dir is not None:  # the layer, the stream leaving it, the reports (each with its spec and step)
+            save_layer_progress(run_dir, index, layer, {"stream": stream}, reports)
     if run_dir is not None and remove_checkpoint:
         run_dir.remove()
     original = 2 * layout.n_kv_heads * layout.head_dim

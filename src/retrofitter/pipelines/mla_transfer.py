@@ -50,17 +50,17 @@ def _rows(value, batch: int, start: int, stop: int):
 
 
 @torch.no_grad()
-def attention_batches(layer: nn.Module, attention: nn.Module, stream) -> list[AttentionBatch]:
+def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwarg: str) -> list[AttentionBatch]:
     """Per batch of ``stream`` (a ``calibration.LayerStream``): what ``attention`` (inside ``layer``) receives and
-    returns when ``layer`` runs on it. The layer stops right after the attention (nothing else runs)."""
+    returns when ``layer`` runs on it, without the cache (``cache_kwarg``: the adapter's name for it). The layer
+    stops right after the attention (nothing else runs)."""
     batches: list[AttentionBatch] = []
 
     def record(_module, args, kwargs, output):
         kwargs = dict(kwargs)
         if args:
             kwargs["hidden_states"] = args[0]
-        for name in ("past_key_values", "past_key_value", "cache"):  # the transfer runs without a cache
-            kwargs.pop(name, None)
+        kwargs.pop(cache_kwarg, None)  # the transfer runs without a cache
         kwargs["hidden_states"] = kwargs["hidden_states"].detach()
         batches.append(AttentionBatch(kwargs, (output[0] if isinstance(output, tuple) else output).detach()))
         raise _AttentionCalled
