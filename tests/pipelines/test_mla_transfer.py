@@ -11,7 +11,8 @@ from retrofitter.adapters.registry import adapter_for
 from retrofitter.modules.mla_attention import MLAAttention
 from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
-from retrofitter.pipelines.mla_transfer import AttentionBatch, attention_batches, relative_output_error
+from retrofitter.pipelines.mla_transfer import (AttentionBatch, attention_batches, relative_output_error,
+                                               teacher_targets)
 from tiny_models import TINY_VOCAB, strong_tiny
 
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
@@ -78,16 +79,44 @@ def test_an_exact_layer_stays_exact_and_only_mla_modules_change():
     assert all(isinstance(layer.self_attn, MLAAttention) for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("target", ["teacher", "residual"])
+def test_teacher_targets_are_the_original_models_attention_on_its_own_stream(target):
+    model, report = _convert("llama", epochs=4, transfer_lr=3e-3, transfer_target=target)
+    original = strong_tiny("llama", dtype=torch.float32)
+    adapter = adapter_for(original)
+    converted_stream = teacher_stream = capture_stream(original, adapter, CALIBRATION, 8)
+    converted_layers, original_layers = adapter.decoder_layers(model), adapter.decoder_layers(original)
+    for index, (mine, theirs) in enumerate(zip(converted_layers, original_layers)):
+        inputs = attention_batches(theirs, theirs.self_attn, converted_stream, adapter.cache_kwarg)
+        targets = attention_batches(theirs, theirs.self_attn, teacher_stream, adapter.cache_kwarg)
+        gaps = ([t - h for t, h in zip(teacher_stream.hidden, converted_stream.hidden)] if target == "residual"
+                else None)
+        batches = teacher_targets(inputs, targets, gaps)
+        if index == 0:  # both streams are the embeddings: the targets are the original attention's own outputs
+            torch.testing.assert_close(batches[0].target, inputs[0].target, rtol=0, atol=0)
+        else:
+            assert not torch.equal(batches[0].target, inputs[0].target)
+        recorded = report["layers"][index]["transfer"]
+        assert relative_output_error(mine.self_attn, batches) == pytest.approx(recorded["error_after"], rel=1e-4)
+        assert recorded["kept"] and recorded["error_after"] < recorded["error_before"]
+        converted_stream, teacher_stream = converted_stream.advance(mine), teacher_stream.advance(theirs)
+    with pytest.raises(ValueError, match="numbers of batches"):
+        teacher_targets(inputs + inputs, targets)
+
+
 def test_transfer_settings_are_checked():
+    with pytest.raises(ValueError, match="transfer_target"):
+        MLAConfig(transfer_target="student")
     for bad in ({"transfer_epochs": -1}, {"transfer_batch": 0}, {"transfer_lr": 0.0}):
         with pytest.raises(ValueError, match="transfer"):
             MLAConfig(**bad)
 
 
-def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("target", ["converted", "residual"])
+def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypatch, target):
     import retrofitter.pipelines.mla as mla_pipeline
 
-    config = MLAConfig(kv_ratio=0.25, transfer_epochs=2, transfer_batch=2)
+    config = MLAConfig(kv_ratio=0.25, transfer_epochs=2, transfer_batch=2, transfer_target=target)
     reference = strong_tiny("llama", dtype=torch.float32)
     _, expected_report = convert_to_mla(reference, config, CALIBRATION, progress=False)
     build, calls = mla_pipeline.mla_attention_from_factors, []
@@ -104,6 +133,7 @@ def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypat
         convert_to_mla(strong_tiny("llama", dtype=torch.float32), config, CALIBRATION, progress=False,
                        checkpoint_dir=work)
     assert (work / "layer_0.safetensors").is_file() and not (work / "layer_1.safetensors").exists()
+    assert (work / "teacher_stream.safetensors").is_file() == (target != "converted")
     calls.clear()
     model, report = convert_to_mla(strong_tiny("llama", dtype=torch.float32), config, CALIBRATION, progress=False,
                                    checkpoint_dir=work)

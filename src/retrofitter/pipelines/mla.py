@@ -30,7 +30,7 @@ from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import save_layer_progress
-from .mla_transfer import attention_batches, transfer_attention
+from .mla_transfer import TRANSFER_TARGETS, attention_batches, teacher_targets, transfer_attention
 from .resume import RunDirectory, fingerprint
 
 UNROTATED_FITS = ("attention", "none")
@@ -66,6 +66,10 @@ class MLAConfig(JsonRoundTrip):
                                   "(0: training-free)")
     transfer_lr: float = option(1e-3, "peak Adam learning rate of the attention transfer (cosine decay to 0)")
     transfer_batch: int = option(4, "calibration blocks per attention-transfer step")
+    transfer_target: str = option("converted", "what the transfer reproduces: converted (the original attention "
+                                  "on the converted stream), teacher (the original attention on the original "
+                                  "model's stream: also makes up for the drift of earlier layers) or residual "
+                                  "(teacher plus the gap of the residual streams)", choices=TRANSFER_TARGETS)
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -89,6 +93,8 @@ class MLAConfig(JsonRoundTrip):
         if self.transfer_epochs < 0 or self.transfer_batch < 1 or self.transfer_lr <= 0:
             raise ValueError(f"transfer_epochs must be >= 0, transfer_batch >= 1 and transfer_lr > 0; got "
                              f"{self.transfer_epochs}, {self.transfer_batch}, {self.transfer_lr}")
+        if self.transfer_target not in TRANSFER_TARGETS:
+            raise ValueError(f"transfer_target must be one of {TRANSFER_TARGETS}, got {self.transfer_target!r}")
         if self.rope_context < 1 or self.batch_size < 1 or self.damping <= 0:
             raise ValueError("rope_context and batch_size must be >= 1 and damping > 0; got "
                              f"{self.rope_context}, {self.batch_size}, {self.damping}")
@@ -140,17 +146,35 @@ def rotation_fit_statistics(scores: tuple[float, int | None], layer: nn.Module, 
     return stats
 
 
-def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter, stream: LayerStream) -> LayerStream:
-    """The layers a previous run finished, rebuilt from the work directory, and the stream leaving the last one."""
+def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter,
+             streams: dict[str, LayerStream]) -> dict[str, LayerStream]:
+    """The layers a previous run finished, rebuilt from the work directory, and the streams (file name -> stream)
+    leaving the last one."""
     layers = adapter.decoder_layers(model)
     for index in range(state["layers_done"]):
         layer = layers[index]
         spec = state["reports"][index]["spec"]
         adapter.set_attention(layer, rebuild_mla_attention(spec, adapter.attention(layer), model))
         layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
-    saved = run_dir.load_tensors("stream")
-    return LayerStream([saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)], stream.layer_kwargs,
-                       stream.token_count)
+    restored = {}
+    for name, stream in streams.items():
+        saved = run_dir.load_tensors(name)
+        restored[name] = LayerStream([saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)],
+                                     stream.layer_kwargs, stream.token_count)
+    return restored
+
+
+def _transfer_batches(config: MLAConfig, layer: nn.Module, adapter, streams: dict[str, LayerStream]):
+    """The transfer's batches for ``layer`` (still original): inputs from the converted stream, targets as
+    ``config.transfer_target`` says (pipelines/mla_transfer.py)."""
+    attention, stream = adapter.attention(layer), streams["stream"]
+    batches = attention_batches(layer, attention, stream, adapter.cache_kwarg)
+    if config.transfer_target == "converted":
+        return batches
+    teacher = streams["teacher_stream"]
+    gaps = ([h_t - h for h_t, h in zip(teacher.hidden, stream.hidden)] if config.transfer_target == "residual"
+            else None)
+    return teacher_targets(batches, attention_batches(layer, attention, teacher, adapter.cache_kwarg), gaps)
 
 
 @torch.no_grad()
@@ -192,15 +216,19 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
     if config.rope_selection == "progression" and state is None:
         step = config.rope_step or shared_progression_step(model, config, calibration, rope_dim // 2, progress)
     stream = capture_stream(model, adapter, calibration, config.batch_size)
+    streams = {"stream": stream}  # with teacher targets also the original model's stream, advanced alongside
+    if config.transfer_epochs and config.transfer_target != "converted":
+        streams["teacher_stream"] = stream
     reports, done = [], 0
     if state is not None:
-        stream = _restore(run_dir, state, model, adapter, stream)
+        streams = _restore(run_dir, state, model, adapter, streams)
         reports, done = state["reports"], state["layers_done"]
         log.info("resuming the MLA conversion after layer %d from %s", done - 1, run_dir.path)
     for index, layer in enumerate(tqdm(layers, desc=f"mla kv {config.kv_ratio:g}", disable=not progress)):
         if index < done:
             continue
         t0 = time.perf_counter()
+        stream = streams["stream"]
         q, k, v = (adapter.get_linear(layer, name) for name in ("q", "k", "v"))
         moments = collect_input_moments(layer, stream, {"q": q})["q"]  # q, k and v read the same input
         fit = (rotation_fit_statistics(attention_score_settings(model, adapter.attention(layer)), layer, q, k, stream,
@@ -212,15 +240,16 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
                               metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step,
                               rotation_fit=fit)
-        batches = (attention_batches(layer, adapter.attention(layer), stream, adapter.cache_kwarg)
-                   if config.transfer_epochs else None)
+        batches = _transfer_batches(config, layer, adapter, streams) if config.transfer_epochs else None
+        if "teacher_stream" in streams:  # through the original layer, before its attention is replaced
+            streams["teacher_stream"] = streams["teacher_stream"].advance(layer)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)
         adapter.set_attention(layer, module)
         transfer = (transfer_attention(module, batches, epochs=config.transfer_epochs, lr=config.transfer_lr,
                                        batch_blocks=config.transfer_batch, seed=index)
                     if batches is not None else None)
         del batches
-        stream = stream.advance(layer)
+        streams["stream"] = stream.advance(layer)
         reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
                         "unrotated_score_error": (None if factors.fit_errors is None else
@@ -230,7 +259,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         log.info("layer %d: MLA r=%d, rope %d, frequencies %s, transfer %s", index, module.kv_rank, module.rope_dim,
                  module.freq_index.tolist(), transfer)
         if run_dir is not None:  # the layer, the stream leaving it, the reports (each with its spec and step)
-            save_layer_progress(run_dir, index, layer, {"stream": stream}, reports)
+            save_layer_progress(run_dir, index, layer, streams, reports)
     if run_dir is not None and remove_checkpoint:
         run_dir.remove()
     original = 2 * layout.n_kv_heads * layout.head_dim

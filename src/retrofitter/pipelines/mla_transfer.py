@@ -10,6 +10,11 @@ over θ = q_proj, kv_a_proj, k_pe_proj, K_up, V_up and o_proj, ``epochs`` passes
 seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine decay to 0. E is measured on every
 block before and after; if training did not lower it the closed-form weights are put back, so the transfer never
 leaves a layer worse on its calibration data (at the full budget the closed form is exact and stays so).
+
+The target y (``TRANSFER_TARGETS``): ``converted`` — the original attention on the same converted-stream input x
+(each layer mimics its original); ``teacher`` — the original attention on the original model's stream x_T (each
+layer also makes up for the drift of the layers before it, LatentLLM's teacher targets); ``residual`` — that plus
+the gap of the residual streams, h_T − h (``teacher_targets``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["AttentionBatch", "attention_batches", "relative_output_error", "transfer_attention"]
+TRANSFER_TARGETS = ("converted", "teacher", "residual")
+
+__all__ = ["TRANSFER_TARGETS", "AttentionBatch", "attention_batches", "relative_output_error", "teacher_targets",
+           "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -75,6 +83,20 @@ def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwar
     finally:
         handle.remove()
     return batches
+
+
+def teacher_targets(batches: list[AttentionBatch], teacher: list[AttentionBatch],
+                    residual_gaps: list[torch.Tensor] | None = None) -> list[AttentionBatch]:
+    """``batches``' inputs (the converted stream) with ``teacher``'s targets: the original attention's outputs on
+    the original model's stream, y_T = Attn_l(x_T), so the layer also makes up for the drift of the layers before
+    it. With ``residual_gaps`` (per batch h_T − h [b, n, d], the gap of the residual streams entering the layer)
+    the target is y_T + h_T − h: the converted layer's residual after attention, h + MLA(x), lands on the
+    original's, h_T + y_T (pre-norm decoder layers, h + Attn(norm(h)), as every family MLA converts)."""
+    if len(batches) != len(teacher) or (residual_gaps is not None and len(residual_gaps) != len(batches)):
+        raise ValueError("teacher targets: the streams hold different numbers of batches")
+    targets = [t.target if residual_gaps is None else t.target + residual_gaps[i].to(t.target)
+               for i, t in enumerate(teacher)]
+    return [AttentionBatch(b.kwargs, y) for b, y in zip(batches, targets)]
 
 
 def _output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
