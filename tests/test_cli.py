@@ -194,3 +194,24 @@ def test_every_config_field_has_a_flag_with_the_config_default():
     assert (linearize.gradient_checkpointing, linearize.window, linearize.keep_softmax_layers) == (False, 32, (0, 1))
     assert {f.name for f in dataclasses.fields(LinearizeConfig)} - set(vars(linearize)) == {
         "grad_clip", "lora_dropout", "mix_init"}
+
+
+def test_mla_preset_sets_the_recipe_and_explicit_flags_override_it(workspace, monkeypatch):
+    import retrofitter.jobs as jobs
+    from retrofitter.pipelines.mla import MLA_PRESETS
+
+    tmp, model_dir, corpus = workspace
+    seen = []
+    monkeypatch.setattr(jobs, "mla_job", lambda *args, **kwargs: seen.append((args, kwargs)) or {})
+    monkeypatch.setattr("retrofitter.cli.show_results", lambda results, args: 0)
+    base = ["mla", str(model_dir), "--out", str(tmp / "m"), "--calib", str(corpus), "--quiet"]
+    assert main(base + ["--preset", "quality"]) == 0
+    assert main(base + ["--preset", "quality", "--transfer-epochs", "1", "--calib-samples", "2"]) == 0
+    assert main(base) == 0
+    (preset_args, preset_kwargs), (override_args, override_kwargs), (plain_args, plain_kwargs) = seen
+    recipe = MLA_PRESETS["quality"]
+    assert preset_kwargs["calib_samples"] == recipe["calib_samples"] == 128
+    assert {k: getattr(preset_args[2], k) for k in recipe["config"]} == recipe["config"]
+    assert override_kwargs["calib_samples"] == 2 and override_args[2].transfer_epochs == 1
+    assert override_args[2].transfer_target == recipe["config"]["transfer_target"]
+    assert plain_kwargs["calib_samples"] == 32 and plain_args[2].transfer_epochs == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, LINEARIZE_PRESETS,
                       MLA_CALIB_SAMPLES, CompressConfig, HealConfig, LinearizeConfig)
-from ..pipelines.mla import MLAConfig
+from ..pipelines.mla import MLA_PRESETS, MLAConfig
 from ..pipelines.recall_layers import RANKINGS
 from ..errors import RetrofitterError
 from .flags import (add_config_flags, compress_config_from_args, config_from_args, fraction_list, method_options, name_list,
@@ -84,10 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "latent k/v cache with one shared rotary key, absorbed execution (training-free; "
                               "--transfer-epochs trains each layer on the original attention's output)")
     mla.add_argument("model")
+    mla.add_argument("--preset", choices=sorted(MLA_PRESETS),
+                     help="named recipe; explicit flags override it. " + "; ".join(
+                         f"{name}: {p['description']}" for name, p in MLA_PRESETS.items()))
     add_config_flags(mla, MLAConfig)
     mla.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
-    mla.add_argument("--calib-samples", type=int, default=MLA_CALIB_SAMPLES,
-                     help=f"calibration blocks (default {MLA_CALIB_SAMPLES})")
+    mla.add_argument("--calib-samples", type=int, default=None,
+                     help=f"calibration blocks (default {MLA_CALIB_SAMPLES}; the preset's with --preset)")
     mla.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
     add_job_flags(mla)
 
@@ -222,8 +225,12 @@ def cmd_compress(args) -> int:
 def cmd_mla(args) -> int:
     from ..jobs import mla_job
 
-    return show_results(mla_job(args.model, args.out, config_from_args(MLAConfig, args), eval_config(args, args.seq_len),
-                         calib=args.calib, calib_samples=args.calib_samples, seq_len=args.seq_len,
+    preset = MLA_PRESETS[args.preset] if args.preset else {}
+    calib_samples = (args.calib_samples if args.calib_samples is not None
+                     else preset.get("calib_samples", MLA_CALIB_SAMPLES))
+    config = config_from_args(MLAConfig, args, base=preset.get("config"))
+    return show_results(mla_job(args.model, args.out, config, eval_config(args, args.seq_len),
+                         calib=args.calib, calib_samples=calib_samples, seq_len=args.seq_len,
                          overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet), args)
 
 
