@@ -1,6 +1,7 @@
 """Attention transfer of the MLA conversion (pipelines/mla_transfer.py) on tiny models: it lowers each layer's
-output error against the original attention on the calibration stream, never leaves a layer worse (an exact
-full-budget layer stays exact), touches only the MLA modules, and epochs 0 is the training-free conversion."""
+output error against its targets (the default residual ones, the teacher ones: the original model's attention on its
+own stream, recomputed here), never leaves a layer worse (an exact full-budget layer stays exact), touches only the
+MLA modules, resumes bit for bit, and epochs 0 is the training-free conversion."""
 
 from __future__ import annotations
 
