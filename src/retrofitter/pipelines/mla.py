@@ -5,8 +5,8 @@ One pass over the layers (llm-compressor's shape: the loop owns the layers, the 
 the calibration stream enters layer l, the second moment of the attention input is collected, the layer's
 q/k/v become MLA factors (shared rotary slots + one whitened joint k/v latent), the attention module is
 swapped for ``MLAAttention`` (absorbed execution), with ``transfer_epochs`` > 0 trained to reproduce the original
-attention's output on the stream, and the stream leaves through the *converted* layer, so layer l + 1 is fitted on
-what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer. Budget per layer:
+model's attention output (``transfer_target``; the original model's stream then advances alongside), and the
+stream leaves through the *converted* layer, so layer l + 1 is fitted on what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer. Budget per layer:
 ``kv_ratio`` · 2·g·dh cached numbers per token, ``rope_fraction`` of them in the shared rotary key
 (``linalg.mla.mla_budget``).
 """
@@ -63,8 +63,8 @@ class MLAConfig(JsonRoundTrip):
     fit_blocks: int = option(8, "calibration blocks whose attention the unrotated fit reads (the first ones)")
     fit_queries: int = option(128, "queries per block in the unrotated fit, evenly spaced, the last included")
     transfer_epochs: int = option(0, "epochs of attention transfer after each layer's closed-form fit: the MLA "
-                                  "module learns the original attention's output on the calibration stream "
-                                  "(0: training-free)")
+                                  "module learns the original model's attention output on the calibration blocks "
+                                  "(--transfer-target; 0: training-free)")
     transfer_lr: float = option(3e-3, "peak Adam learning rate of the attention transfer (cosine decay to 0)")
     transfer_batch: int = option(4, "calibration blocks per attention-transfer step")
     transfer_target: str = option("residual", "what the transfer reproduces: residual (the original attention on "
@@ -104,9 +104,10 @@ class MLAConfig(JsonRoundTrip):
 # Named recipes: config fields, calibration blocks and a description (the CLI's --preset; explicit flags override).
 MLA_PRESETS: dict[str, dict] = {
     "quality": {
-        "description": "the closed form, then 4 epochs of attention transfer on 128 calibration blocks of 512 tokens "
-                       "(the default residual targets, lr 3e-3): SmolLM2-135M at KV 0.25x, 43.03 wiki-eval perplexity before "
-                       "healing against 184.67 training-free, in 11 min on 2 cores (docs/results.md 13d)",
+        "description": "the closed form, then 4 epochs of attention transfer on 128 calibration blocks of 512 "
+                       "tokens (the default residual targets, lr 3e-3): SmolLM2-135M at KV 0.25x, 43.03 wiki-eval "
+                       "perplexity before healing against 184.67 training-free, in 11 min on 2 cores "
+                       "(docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
         "calib_samples": 128,
     },
