@@ -93,10 +93,12 @@ def test_teacher_targets_are_the_original_models_attention_on_its_own_stream(tar
         gaps = ([t - h for t, h in zip(teacher_stream.hidden, converted_stream.hidden)] if target == "residual"
                 else None)
         batches = teacher_targets(inputs, targets, gaps)
+        scale = float(inputs[0].target.abs().max())
+        difference = float((batches[0].target - inputs[0].target).abs().max())
         if index == 0:  # both streams are the embeddings: the targets are the original attention's own outputs
-            torch.testing.assert_close(batches[0].target, inputs[0].target, rtol=0, atol=0)
-        else:
-            assert not torch.equal(batches[0].target, inputs[0].target)
+            assert difference <= 1e-5 * scale  # the same float32 computation twice: rounding at most
+        else:  # the converted layers before moved the stream far beyond float32 rounding
+            assert difference > 1e-3 * scale
         recorded = report["layers"][index]["transfer"]
         assert relative_output_error(mine.self_attn, batches) == pytest.approx(recorded["error_after"], rel=1e-4)
         assert recorded["kept"] and recorded["error_after"] < recorded["error_before"]

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mla = commands.add_parser("mla", help="Multi-head Latent Attention (DeepSeek layout) by conversion: a small "
                               "latent k/v cache with one shared rotary key, absorbed execution (training-free; "
-                              "--transfer-epochs trains each layer on the original attention's output)")
+                              "--transfer-epochs trains each layer on the original model's attention output)")
     mla.add_argument("model")
     mla.add_argument("--preset", choices=sorted(MLA_PRESETS),
                      help="named recipe; explicit flags override it. " + "; ".join(

@@ -15,7 +15,7 @@ from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream
 from .resume import RunDirectory
 
-__all__ = ["save_layer_progress", "restore_layers"]
+__all__ = ["save_layer_progress", "restore_layers", "restore_streams"]
 
 
 def save_layer_progress(run_dir: RunDirectory, index: int, layer: nn.Module, streams: dict[str, LayerStream],
@@ -49,9 +49,15 @@ def restore_layers(run_dir: RunDirectory, model, adapter, config, streams: dict[
                                                          device=linear.weight.device))
         if load_weights:
             layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
+    return state["layers_done"], state["reports"], restore_streams(run_dir, streams)
+
+
+def restore_streams(run_dir: RunDirectory, streams: dict[str, LayerStream]) -> dict[str, LayerStream]:
+    """``streams`` (file name -> the stream as captured) with the hidden states ``save_layer_progress`` wrote at the
+    last finished layer (the captured keyword arguments kept)."""
     restored = {}
     for name, current in streams.items():
         saved = run_dir.load_tensors(name)
         hidden = [saved[f"batch_{i}"].to(h) for i, h in enumerate(current.hidden)]
         restored[name] = LayerStream(hidden, current.layer_kwargs, current.token_count)
-    return state["layers_done"], state["reports"], restored
+    return restored

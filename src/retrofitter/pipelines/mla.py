@@ -29,9 +29,9 @@ from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_t
 from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
-from .layer_checkpoint import save_layer_progress
+from .layer_checkpoint import restore_streams, save_layer_progress
 from .mla_transfer import TRANSFER_TARGETS, attention_batches, teacher_targets, transfer_attention
-from .resume import RunDirectory, fingerprint
+from .resume import RunDirectory, layer_run_fingerprint
 
 UNROTATED_FITS = ("attention", "none")
 
@@ -106,7 +106,8 @@ MLA_PRESETS: dict[str, dict] = {
     "quality": {
         "description": "the closed form, then 4 epochs of attention transfer on 256 calibration blocks of 512 "
                        "tokens (the default residual targets, lr 3e-3): SmolLM2-135M at KV 0.25x, 35.79 wiki-eval "
-                       "perplexity before healing against 184.67 training-free, in 22 min on 2 cores "
+                       "perplexity before healing against 184.67 training-free; 1300 s of layer conversion on 2 "
+                       "cores, plus the rope-step search (70 s on 128 blocks; --rope-step 1 skips it) "
                        "(docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
         "calib_samples": 256,
@@ -170,12 +171,7 @@ def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter,
         spec = state["reports"][index]["spec"]
         adapter.set_attention(layer, rebuild_mla_attention(spec, adapter.attention(layer), model))
         layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
-    restored = {}
-    for name, stream in streams.items():
-        saved = run_dir.load_tensors(name)
-        restored[name] = LayerStream([saved[f"batch_{i}"].to(h) for i, h in enumerate(stream.hidden)],
-                                     stream.layer_kwargs, stream.token_count)
-    return restored
+    return restore_streams(run_dir, streams)
 
 
 def _transfer_batches(config: MLAConfig, layer: nn.Module, adapter, streams: dict[str, LayerStream]):
@@ -222,9 +218,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
     model.eval()
     run_dir = state = None
     if checkpoint_dir is not None:
-        run_dir = RunDirectory(checkpoint_dir, fingerprint(config.to_dict(), calibration,
-                                                           str(getattr(model, "name_or_path", "")),
-                                                           model.config.to_dict()))
+        run_dir = RunDirectory(checkpoint_dir, layer_run_fingerprint(config, calibration, model))
         state = run_dir.load_progress()
     step = None if state is None else state["reports"][0]["rope_step"]
     if config.rope_selection == "progression" and state is None:

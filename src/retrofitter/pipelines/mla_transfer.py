@@ -39,7 +39,8 @@ class _AttentionCalled(Exception):
 
 class AttentionBatch:
     """One block of the stream as the attention saw it: its keyword arguments (``hidden_states`` [b, n, d],
-    rotary tables, mask, …) and the original attention's output ``target`` [b, n, d]."""
+    rotary tables, mask, …) and the output to learn, ``target`` [b, n, d] (the original attention's on these inputs,
+    or ``teacher_targets``')."""
 
     def __init__(self, kwargs: dict, target: torch.Tensor):
         self.kwargs, self.target = kwargs, target

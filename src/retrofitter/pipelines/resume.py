@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 
 from ..data.cache import atomic_write_text
 
-__all__ = ["ResumeMismatchError", "UnsafeWorkDirError", "RunDirectory", "fingerprint", "check_work_dir",
-           "remove_work_dir", "WORK_MARKER"]
+__all__ = ["ResumeMismatchError", "UnsafeWorkDirError", "RunDirectory", "fingerprint", "layer_run_fingerprint",
+           "check_work_dir", "remove_work_dir", "WORK_MARKER"]
 
 PROGRESS_FILE = "progress.json"
 WORK_MARKER = ".retrofitter-work"
@@ -115,6 +115,12 @@ def fingerprint(*parts) -> str:
         else:
             digest.update(json.dumps(part, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:16]
+
+
+def layer_run_fingerprint(config, calibration: torch.Tensor, model) -> str:
+    """The fingerprint of a layer-by-layer conversion: its settings (``config.to_dict()``), the calibration blocks,
+    and the model's name and configuration."""
+    return fingerprint(config.to_dict(), calibration, str(getattr(model, "name_or_path", "")), model.config.to_dict())
 
 
 class RunDirectory:

@@ -50,7 +50,7 @@ from .distributed import SINGLE_PROCESS, DataParallel, share_replacement
 from .layer_checkpoint import restore_layers, save_layer_progress
 from .layer_sources import LayerSource, ResidentLayers, check_layer_weights
 from .layer_statistics import StreamStatistics
-from .resume import RunDirectory, fingerprint
+from .resume import RunDirectory, layer_run_fingerprint
 from .statistics_sources import statistics_source
 
 __all__ = ["CalibrationError", "LayerContext", "LayerStrategy", "Planner", "run_sequential", "target_names",
@@ -259,8 +259,7 @@ def _run_directory(checkpoint_dir, model: nn.Module, config: CompressConfig, cal
     """The resumable run's work directory, fingerprinted by the run's inputs (each process its own)."""
     if parallel.active:  # each process resumes its own stream
         checkpoint_dir = f"{checkpoint_dir}/rank{parallel.rank}"
-    inputs = fingerprint(config.to_dict(), calibration, str(getattr(model, "name_or_path", "")), model.config.to_dict())
-    return RunDirectory(checkpoint_dir, inputs)
+    return RunDirectory(checkpoint_dir, layer_run_fingerprint(config, calibration, model))
 
 
 def summarize(config: CompressConfig, layer_reports: list[dict], timings: dict) -> dict:
