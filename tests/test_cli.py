@@ -215,3 +215,25 @@ def test_mla_preset_sets_the_recipe_and_explicit_flags_override_it(workspace, mo
     assert override_kwargs["calib_samples"] == 2 and override_args[2].transfer_epochs == 1
     assert override_args[2].transfer_target == recipe["config"]["transfer_target"]
     assert plain_kwargs["calib_samples"] == 32 and plain_args[2].transfer_epochs == 0
+    assert plain_kwargs["seq_len"] == 512 and plain_args[3].seq_len == 512
+
+
+def test_mla_long_context_preset_calibrates_on_long_blocks_and_evaluates_at_512(workspace, monkeypatch):
+    import retrofitter.jobs as jobs
+    from retrofitter.pipelines.mla import MLA_PRESETS
+
+    tmp, model_dir, corpus = workspace
+    seen = []
+    monkeypatch.setattr(jobs, "mla_job", lambda *args, **kwargs: seen.append((args, kwargs)) or {})
+    monkeypatch.setattr("retrofitter.cli.show_results", lambda results, args: 0)
+    base = ["mla", str(model_dir), "--out", str(tmp / "m"), "--calib", str(corpus), "--quiet", "--preset", "long-context"]
+    assert main(base) == 0
+    assert main(base + ["--seq-len", "1024"]) == 0
+    assert main(base + ["--eval-seq-len", "2048"]) == 0
+    (preset_args, preset_kwargs), (explicit_args, explicit_kwargs), (window_args, _) = seen
+    recipe = MLA_PRESETS["long-context"]
+    assert preset_kwargs["seq_len"] == recipe["seq_len"] == 2048 and preset_kwargs["calib_samples"] == 64
+    assert preset_args[2].transfer_batch == 1 and preset_args[2].transfer_epochs == 4
+    assert preset_args[3].seq_len == 512  # perplexity stays at the default window
+    assert explicit_kwargs["seq_len"] == 1024 and explicit_args[3].seq_len == 1024
+    assert window_args[3].seq_len == 2048

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from ..config import (COMPRESS_CALIB_SAMPLES, DEMO_CALIB_SAMPLES, DEMO_MAX_EVAL_TOKENS, LINEARIZE_PRESETS,
-                      MLA_CALIB_SAMPLES, CompressConfig, HealConfig, LinearizeConfig)
+                      MLA_CALIB_SAMPLES, MLA_SEQ_LEN, CompressConfig, HealConfig, LinearizeConfig)
 from ..pipelines.mla import MLA_PRESETS, MLAConfig
 from ..pipelines.recall_layers import RANKINGS
 from ..errors import RetrofitterError
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     mla.add_argument("--calib", default="wiki-calib", help="calibration corpus (default wiki-calib)")
     mla.add_argument("--calib-samples", type=int, default=None,
                      help=f"calibration blocks (default {MLA_CALIB_SAMPLES}; the preset's with --preset)")
-    mla.add_argument("--seq-len", type=int, default=512, help="calibration block length (default 512)")
+    mla.add_argument("--seq-len", type=int, default=None,
+                     help=f"calibration block length (default {MLA_SEQ_LEN}; the preset's with --preset)")
     add_job_flags(mla)
 
     linearize = commands.add_parser("linearize", help="LoLCATs: hybrid window-softmax + linear attention, "
@@ -228,9 +229,12 @@ def cmd_mla(args) -> int:
     preset = MLA_PRESETS[args.preset] if args.preset else {}
     calib_samples = (args.calib_samples if args.calib_samples is not None
                      else preset.get("calib_samples", MLA_CALIB_SAMPLES))
+    seq_len = args.seq_len if args.seq_len is not None else preset.get("seq_len", MLA_SEQ_LEN)
     config = config_from_args(MLAConfig, args, base=preset.get("config"))
-    return show_results(mla_job(args.model, args.out, config, eval_config(args, args.seq_len),
-                         calib=args.calib, calib_samples=calib_samples, seq_len=args.seq_len,
+    # perplexity follows an explicit --seq-len (or --eval-seq-len), not a preset's calibration block length
+    evaluation = eval_config(args, args.seq_len if args.seq_len is not None else MLA_SEQ_LEN)
+    return show_results(mla_job(args.model, args.out, config, evaluation,
+                         calib=args.calib, calib_samples=calib_samples, seq_len=seq_len,
                          overwrite=args.overwrite, dtype=args.dtype, device=args.device, progress=not args.quiet), args)
 
 

@@ -6,12 +6,13 @@ import dataclasses
 import math
 from dataclasses import field
 
-__all__ = ["option", "JsonRoundTrip", "COMPRESS_CALIB_SAMPLES", "MLA_CALIB_SAMPLES", "DEMO_CALIB_SAMPLES",
+__all__ = ["option", "JsonRoundTrip", "COMPRESS_CALIB_SAMPLES", "MLA_CALIB_SAMPLES", "MLA_SEQ_LEN", "DEMO_CALIB_SAMPLES",
            "DEMO_MAX_EVAL_TOKENS", "SHARDING_MODES"]
 
 # Calibration and evaluation defaults shared by the CLI and the job functions (written once)
 COMPRESS_CALIB_SAMPLES = 64  # blocks of 512 tokens for compress
-MLA_CALIB_SAMPLES = 32       # blocks of 512 tokens for mla
+MLA_CALIB_SAMPLES = 32       # blocks of MLA_SEQ_LEN tokens for mla
+MLA_SEQ_LEN = 512            # mla calibration block length (and perplexity window) unless a preset or flag says
 DEMO_CALIB_SAMPLES = 32
 DEMO_MAX_EVAL_TOKENS = 4096
 SHARDING_MODES = ("ddp", "fsdp")  # training stages under several processes (pipelines/sharding.py)

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from ..api import convert_to_mla, evaluate_record
-from ..config import MLA_CALIB_SAMPLES, EvalConfig
+from ..config import MLA_CALIB_SAMPLES, MLA_SEQ_LEN, EvalConfig
 from ..data.corpora import check_corpus
 from ..eval.accounting import account
 from ..preflight import eval_lengths, partial_dir
@@ -17,7 +17,7 @@ __all__ = ["mla_job"]
 
 
 def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, calib: str = "wiki-calib",
-            calib_samples: int = MLA_CALIB_SAMPLES, seq_len: int = 512, overwrite: bool = False, dtype="float32",
+            calib_samples: int = MLA_CALIB_SAMPLES, seq_len: int = MLA_SEQ_LEN, overwrite: bool = False, dtype="float32",
             device="cpu", progress: bool = True) -> dict:
     """Convert ``model_name``'s attention to MLA (``config``: a ``pipelines.mla.MLAConfig``) on ``calib_samples``
     blocks of ``seq_len`` tokens of ``calib``, save to ``out``, evaluate; the results record. Every argument is

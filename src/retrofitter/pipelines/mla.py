@@ -112,6 +112,16 @@ MLA_PRESETS: dict[str, dict] = {
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
         "calib_samples": 256,
     },
+    "long-context": {
+        "description": "quality's recipe on the same calibration tokens cut into 64 blocks of 2048 (one block per "
+                       "transfer step), for models served past 512 tokens: SmolLM2-135M at KV 0.25x, healed as "
+                       "quality's, 27.90 wiki-eval perplexity at seq 2048 (1.60x the original's; quality 2.72x) and "
+                       "31.12 at seq 512 (1.62x; quality 1.59x); 84 s of conversion per layer on 2 cores, twice "
+                       "quality's (docs/results.md 13d)",
+        "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1},
+        "calib_samples": 64,
+        "seq_len": 2048,
+    },
 }
 
 
