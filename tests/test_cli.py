@@ -210,7 +210,7 @@ def test_mla_preset_sets_the_recipe_and_explicit_flags_override_it(workspace, mo
     assert main(base) == 0
     (preset_args, preset_kwargs), (override_args, override_kwargs), (plain_args, plain_kwargs) = seen
     recipe = MLA_PRESETS["quality"]
-    assert preset_kwargs["calib_samples"] == recipe["calib_samples"] == 256
+    assert preset_kwargs["calib_samples"] == recipe["calib_samples"] == 896
     assert {k: getattr(preset_args[2], k) for k in recipe["config"]} == recipe["config"]
     assert override_kwargs["calib_samples"] == 2 and override_args[2].transfer_epochs == 1
     assert override_args[2].transfer_target == recipe["config"]["transfer_target"]
