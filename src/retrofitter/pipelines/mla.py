@@ -108,7 +108,7 @@ MLA_PRESETS: dict[str, dict] = {
                        "tokens (the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): "
                        "SmolLM2-135M at KV 0.25x, 26.54 wiki-eval perplexity before healing against 184.67 "
                        "training-free, 1.30x the original's healed; 4331 s of layer conversion on 2 cores, plus "
-                       "the rope-step search (70 s per 128 blocks; --rope-step N skips it) (docs/results.md 13d)",
+                       "the rope-step search over every block (70 s for 128; --rope-step N skips it) (docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
         "calib_samples": 896,
     },
@@ -116,7 +116,7 @@ MLA_PRESETS: dict[str, dict] = {
         "description": "quality's recipe on 131,072 calibration tokens cut into 64 blocks of 2048 (one block per "
                        "transfer step), for models served past 512 tokens: SmolLM2-135M at KV 0.25x, healed as "
                        "quality's, 27.90 wiki-eval perplexity at seq 2048 (1.60x the original's; quality 2.78x) and "
-                       "31.12 at seq 512 (1.62x; quality 1.30x); 84 s of conversion per layer on 2 cores "
+                       "31.12 at seq 512 (1.62x; quality 1.30x); 83 s of conversion per layer on 2 cores "
                        "(docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1},
         "calib_samples": 64,
