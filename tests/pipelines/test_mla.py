@@ -1,6 +1,6 @@
 """MLA conversion end to end on tiny models of every family it supports (float64 where exactness is claimed):
 the full budget reproduces the original logits; the absorbed execution equals the naive one (prefill, left
-padding, step-by-step decode through the cache); save -> load gives the same logits; generate with the cache
+padding, step-by-step decode through the cache), and so does the decompressed (training) one, gradients included; save -> load gives the same logits; generate with the cache
 equals the full forward; the cache holds r + 2m numbers per token; unsupported families are refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import retrofitter
 from retrofitter.checkpoint import load_retrofitted
 from retrofitter.adapters.registry import UnsupportedArchitectureError
 from retrofitter.eval.accounting import account
-from retrofitter.modules.mla_attention import MLAAttention
+from retrofitter.modules.mla_attention import MLA_EXECUTIONS, MLAAttention
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from greedy import assert_same_greedy, generated
 from tiny_models import TINY_VOCAB, strong_tiny
@@ -28,10 +28,10 @@ def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, sel
     return model
 
 
-def _set_absorbed(model, absorbed: bool) -> None:
+def _set_execution(model, execution: str) -> None:
     for module in model.modules():
         if isinstance(module, MLAAttention):
-            module.absorbed = absorbed
+            module.execution = execution
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
@@ -79,12 +79,37 @@ def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padd
         mask[1, :4] = 0  # left padding
     valid = mask.bool()
     outputs = {}
-    for absorbed in (True, False):
-        _set_absorbed(model, absorbed)
+    for execution in MLA_EXECUTIONS:
+        _set_execution(model, execution)
         full, stepwise = _full_and_stepwise(model, ids, mask)
         torch.testing.assert_close(stepwise[valid], full[valid], rtol=tolerance, atol=tolerance)
-        outputs[absorbed] = full
-    torch.testing.assert_close(outputs[True][valid], outputs[False][valid], rtol=tolerance, atol=tolerance)
+        outputs[execution] = full
+    for execution in ("absorbed", "decompressed"):
+        torch.testing.assert_close(outputs[execution][valid], outputs["naive"][valid], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_decompressed_gradients_equal_the_naive_ones(family):
+    """The training execution's gradients (every MLA tensor and the input) are the reference's, in float64."""
+    model = _converted(family, kv_ratio=0.25)
+    ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for execution in ("naive", "decompressed"):
+        _set_execution(model, execution)
+        model.zero_grad(set_to_none=True)
+        model(ids).logits.pow(2).mean().backward()
+        grads[execution] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert any("k_up" in name for name in grads["naive"]) and grads["naive"].keys() == grads["decompressed"].keys()
+    for name, grad in grads["naive"].items():
+        # float64 sums of ~100 terms: rounding far below 1e-10 of gradients of order 1
+        torch.testing.assert_close(grads["decompressed"][name], grad, rtol=1e-9, atol=1e-10)
+
+
+def test_an_unknown_execution_is_refused(random_ids):
+    model = _converted("llama")
+    _set_execution(model, "flash")
+    with pytest.raises(ValueError, match="execution must be one of"):
+        model(random_ids)
 
 
 @pytest.mark.parametrize("family", SUPPORTED)

@@ -26,13 +26,19 @@ def _convert(family, epochs, kv_ratio=0.25, **settings):
     return model, report
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_transfer_lowers_every_layers_output_error_and_reports_it(family):
-    model, report = _convert(family, epochs=20, transfer_lr=3e-3)
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
+def test_transfer_lowers_every_layers_output_error_and_reports_it(family, dtype):
+    model, report = _convert(family, epochs=20, transfer_lr=3e-3, transfer_dtype=dtype)
     for layer in report["layers"]:
         transfer = layer["transfer"]
         assert transfer["steps"] == 20 * 3  # 6 blocks in pieces of 2
         assert transfer["kept"] and transfer["error_after"] < 0.9 * transfer["error_before"], transfer
+    for module in model.modules():  # trained in the decompressed execution, served in the absorbed one, float32
+        if isinstance(module, MLAAttention):
+            assert module.execution == "absorbed"
+            assert all(p.dtype == torch.float32 for p in module.parameters())
+    if dtype != "float32":
+        return
     free, free_report = _convert(family, epochs=0)
     assert all(layer["transfer"] is None for layer in free_report["layers"])
     free_state = free.state_dict()
@@ -110,6 +116,8 @@ def test_teacher_targets_are_the_original_models_attention_on_its_own_stream(tar
 def test_transfer_settings_are_checked():
     with pytest.raises(ValueError, match="transfer_target"):
         MLAConfig(transfer_target="student")
+    with pytest.raises(ValueError, match="transfer_dtype"):
+        MLAConfig(transfer_dtype="float16")
     for bad in ({"transfer_epochs": -1}, {"transfer_batch": 0}, {"transfer_lr": 0.0}):
         with pytest.raises(ValueError, match="transfer"):
             MLAConfig(**bad)

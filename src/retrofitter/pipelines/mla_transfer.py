@@ -7,7 +7,9 @@ input norm) and targets y [b, n, d] (after ``o_proj``; below), Adam minimises
     E(θ) = Σ_batches ‖MLA_θ(x) − y‖² / Σ_batches ‖y‖²                  (relative squared error)
 
 over θ = q_proj, kv_a_proj, k_pe_proj, K_up, V_up and o_proj, ``epochs`` passes over the calibration blocks in a
-seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine decay to 0. E is measured on every
+seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine decay to 0; the steps run the
+module's ``decompressed`` execution (modules/mla_attention.py), optionally under bfloat16 autocast (``dtype``: about
+twice as fast on CPUs with native bfloat16 and on GPUs; benchmarks/mla_transfer_step.py). E is measured on every
 block before and after; if training did not lower it the closed-form weights are put back, so the transfer never
 leaves a layer worse on its calibration data (at the full budget the closed form is exact and stays so).
 
@@ -28,8 +30,9 @@ import torch
 from torch import nn
 
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
+TRANSFER_DTYPES = ("float32", "bfloat16")
 
-__all__ = ["TRANSFER_TARGETS", "AttentionBatch", "attention_batches", "relative_output_error", "teacher_targets",
+__all__ = ["TRANSFER_DTYPES", "TRANSFER_TARGETS", "AttentionBatch", "attention_batches", "relative_output_error", "teacher_targets",
            "transfer_attention"]
 
 
@@ -119,9 +122,14 @@ def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> f
 
 
 def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
-                       batch_blocks: int, seed: int = 0) -> dict:
-    """Train every parameter of ``module`` to reproduce ``batches``' targets (module docstring); returns
-    {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights were kept)."""
+                       batch_blocks: int, seed: int = 0, dtype: str = "float32") -> dict:
+    """Train every parameter of ``module`` (an ``MLAAttention``) to reproduce ``batches``' targets (module
+    docstring); returns {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights
+    were kept). The steps run the module's ``decompressed`` execution, under autocast to ``dtype`` unless
+    "float32" (``TRANSFER_DTYPES``; the weights, Adam's state and the loss stay float32); the errors before and
+    after are measured with its own execution in its own dtype."""
+    if dtype not in TRANSFER_DTYPES:
+        raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPES}, got {dtype!r}")
     start = time.perf_counter()
     pieces = [piece for batch in batches for piece in batch.split(batch_blocks)]
     parameters = [p for p in module.parameters()]
@@ -136,23 +144,29 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     generator = torch.Generator().manual_seed(seed)
     steps, total = 0, epochs * len(pieces)
     flags = [p.requires_grad for p in parameters]
-    with torch.enable_grad():
-        for p in parameters:
-            p.requires_grad_(True)
-        for _ in range(epochs):
-            for index in torch.randperm(len(pieces), generator=generator).tolist():
-                piece = pieces[index]
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * steps / total))
-                out = _output(module, piece)
-                n = piece.target.shape[0] * piece.target.shape[1]
-                loss = (out.float() - piece.target.float()).pow(2).sum() * (scale / n)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                steps += 1
-    for p, flag in zip(parameters, flags):
-        p.requires_grad_(flag)
+    execution, module.execution = module.execution, "decompressed"
+    autocast = torch.autocast(parameters[0].device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    try:
+        with torch.enable_grad():
+            for p in parameters:
+                p.requires_grad_(True)
+            for _ in range(epochs):
+                for index in torch.randperm(len(pieces), generator=generator).tolist():
+                    piece = pieces[index]
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * steps / total))
+                    with autocast:
+                        out = _output(module, piece)
+                    n = piece.target.shape[0] * piece.target.shape[1]
+                    loss = (out.float() - piece.target.float()).pow(2).sum() * (scale / n)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    steps += 1
+    finally:
+        module.execution = execution
+        for p, flag in zip(parameters, flags):
+            p.requires_grad_(flag)
     after = relative_output_error(module, batches)
     kept = after < before
     if not kept:
