@@ -65,6 +65,11 @@ def test_attention_batches_hold_what_the_attention_saw():
     assert all(adapter.cache_kwarg not in b.kwargs for b in batches)
     # the original attention on the captured inputs reproduces the captured outputs: error 0
     assert relative_output_error(adapter.attention(layer), batches) == 0.0
+    inputs = attention_batches(layer, adapter.attention(layer), stream, adapter.cache_kwarg, targets=False)
+    assert all(b.target is None for b in inputs) and len(inputs) == len(batches)
+    for seen, full in zip(inputs, batches):  # stopped before the attention, the same inputs
+        assert seen.kwargs.keys() == full.kwargs.keys()
+        torch.testing.assert_close(seen.kwargs["hidden_states"], full.kwargs["hidden_states"], rtol=0, atol=0)
     pieces = batches[0].split(3)
     assert [p.target.shape[0] for p in pieces] == [3, 1]
     assert pieces[1].kwargs["hidden_states"].shape[0] == 1

@@ -194,8 +194,9 @@ def _transfer_batches(config: MLAConfig, layer: nn.Module, adapter, streams: dic
     """The transfer's batches for ``layer`` (still original): inputs from the converted stream, targets as
     ``config.transfer_target`` says (pipelines/mla_transfer.py)."""
     attention, stream = adapter.attention(layer), streams["stream"]
-    batches = attention_batches(layer, attention, stream, adapter.cache_kwarg)
-    if config.transfer_target == "converted":
+    converted = config.transfer_target == "converted"
+    batches = attention_batches(layer, attention, stream, adapter.cache_kwarg, targets=converted)
+    if converted:
         return batches
     teacher = streams["teacher_stream"]
     gaps = ([h_t - h for h_t, h in zip(teacher.hidden, stream.hidden)] if config.transfer_target == "residual"

@@ -32,7 +32,8 @@ from torch import nn
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
 TRANSFER_DTYPES = ("float32", "bfloat16")
 
-__all__ = ["TRANSFER_DTYPES", "TRANSFER_TARGETS", "AttentionBatch", "attention_batches", "relative_output_error", "teacher_targets",
+__all__ = ["TRANSFER_DTYPES", "TRANSFER_TARGETS", "AttentionBatch", "attention_batches", "relative_output_error",
+           "teacher_targets",
            "transfer_attention"]
 
 
@@ -45,7 +46,7 @@ class AttentionBatch:
     rotary tables, mask, …) and the output to learn, ``target`` [b, n, d] (the original attention's on these inputs,
     or ``teacher_targets``')."""
 
-    def __init__(self, kwargs: dict, target: torch.Tensor):
+    def __init__(self, kwargs: dict, target: torch.Tensor | None):
         self.kwargs, self.target = kwargs, target
 
     def split(self, blocks: int) -> list["AttentionBatch"]:
@@ -64,22 +65,33 @@ def _rows(value, batch: int, start: int, stop: int):
 
 
 @torch.no_grad()
-def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwarg: str) -> list[AttentionBatch]:
+def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwarg: str,
+                      targets: bool = True) -> list[AttentionBatch]:
     """Per batch of ``stream`` (a ``calibration.LayerStream``): what ``attention`` (inside ``layer``) receives and
     returns when ``layer`` runs on it, without the cache (``cache_kwarg``: the adapter's name for it). The layer
-    stops right after the attention (nothing else runs)."""
+    stops right after the attention (nothing else runs); with ``targets`` False right before it (the batches'
+    targets are then None: for inputs whose targets come from elsewhere, ``teacher_targets``)."""
     batches: list[AttentionBatch] = []
 
-    def record(_module, args, kwargs, output):
+    def inputs(args, kwargs) -> dict:
         kwargs = dict(kwargs)
         if args:
             kwargs["hidden_states"] = args[0]
         kwargs.pop(cache_kwarg, None)  # the transfer runs without a cache
         kwargs["hidden_states"] = kwargs["hidden_states"].detach()
-        batches.append(AttentionBatch(kwargs, (output[0] if isinstance(output, tuple) else output).detach()))
+        return kwargs
+
+    def record(_module, args, kwargs, output):
+        output = output[0] if isinstance(output, tuple) else output
+        batches.append(AttentionBatch(inputs(args, kwargs), output.detach()))
         raise _AttentionCalled
 
-    handle = attention.register_forward_hook(record, with_kwargs=True)
+    def record_inputs(_module, args, kwargs):
+        batches.append(AttentionBatch(inputs(args, kwargs), None))
+        raise _AttentionCalled
+
+    handle = (attention.register_forward_hook(record, with_kwargs=True) if targets else
+              attention.register_forward_pre_hook(record_inputs, with_kwargs=True))
     try:
         for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
             try:
