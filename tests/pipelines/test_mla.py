@@ -1,7 +1,8 @@
 """MLA conversion end to end on tiny models of every family it supports (float64 where exactness is claimed):
 the full budget reproduces the original logits; the absorbed execution equals the naive one (prefill, left
-padding, step-by-step decode through the cache), and so does the decompressed (training) one, gradients included; save -> load gives the same logits; generate with the cache
-equals the full forward; the cache holds r + 2m numbers per token; unsupported families are refused."""
+padding, step-by-step decode through the cache), and so does the decompressed (training) one, gradients
+included; save -> load gives the same logits; generate with the cache equals the full forward; the cache holds
+r + 2m numbers per token; unsupported families are refused."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padd
 
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_decompressed_gradients_equal_the_naive_ones(family):
-    """The training execution's gradients (every MLA tensor and the input) are the reference's, in float64."""
+    """The training execution's gradients (every parameter the logits depend on) are the reference's, in float64."""
     model = _converted(family, kv_ratio=0.25)
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     grads = {}

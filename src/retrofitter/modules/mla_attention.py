@@ -20,8 +20,9 @@ Three executions of the same function (``MLA_EXECUTIONS``, the attribute ``execu
   [b, h·n, r' + 2m] x [b, r' + 2m, N]; each kv group's values V_up c [b, g, N, dh] mix its h/g heads in one
   matmul; the softmax runs in the scores' dtype (under bfloat16 autocast no float32 copy of the [h, n, N] scores,
   which dominates the step on CPU). Against SDPA over the absorbed key (value = key, r + 2m wide) it mixes dh
-  instead of r + 2m numbers per head: SmolLM2-135M at KV 0.5×, forward and backward of one 4 × 512 batch, 2 AMD
-  EPYC threads: 180 ms against 200 ms in float32, 84 ms in bfloat16 (benchmarks/mla_transfer_step.py).
+  instead of r + 2m numbers per head. One transfer step (forward, backward, Adam) of SmolLM2-135M's layer 10 at
+  KV 0.5×, 4 × 512 tokens, 2 AMD EPYC threads, interleaved: 276 ms absorbed, 254 ms decompressed in float32,
+  131 ms in bfloat16 (benchmarks/mla_transfer_step.py; docs/results.md §13d).
 
 RoPE: the kept slots' frequencies are columns ``freq_index`` [m] of the model's own cos/sin tables
 ([b, n, dh], rotate-half layout: cos[..., f] = cos(pos·θ_f)), so any rope scaling the model uses carries

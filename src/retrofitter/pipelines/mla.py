@@ -67,9 +67,9 @@ class MLAConfig(JsonRoundTrip):
                                   "(--transfer-target; 0: training-free)")
     transfer_lr: float = option(3e-3, "peak Adam learning rate of the attention transfer (cosine decay to 0)")
     transfer_batch: int = option(4, "calibration blocks per attention-transfer step")
-    transfer_dtype: str = option("float32", "autocast dtype of the attention-transfer steps: bfloat16 is about twice "
-                                 "as fast where the hardware has it (GPUs; CPUs with AVX512-BF16 or AMX), weights and "
-                                 "Adam stay float32", choices=TRANSFER_DTYPES)
+    transfer_dtype: str = option("float32", "autocast dtype of the attention-transfer steps: bfloat16 took 0.47x the "
+                                 "float32 step time on AMD EPYC with AVX512-BF16 for the same perplexity (not measured "
+                                 "elsewhere); weights and Adam stay float32", choices=TRANSFER_DTYPES)
     transfer_target: str = option("residual", "what the transfer reproduces: residual (the original attention on "
                                   "the original model's stream plus the gap of the residual streams: the converted "
                                   "layer's residual lands on the original's), teacher (without the gap) or converted "
@@ -112,8 +112,9 @@ MLA_PRESETS: dict[str, dict] = {
         "description": "the closed form, then 4 epochs of attention transfer on 896 calibration blocks of 512 "
                        "tokens (the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): "
                        "SmolLM2-135M at KV 0.25x, 26.54 wiki-eval perplexity before healing against 184.67 "
-                       "training-free, 1.30x the original's healed; 4331 s of layer conversion on 2 Intel Xeon cores (at 0.5x "
-                       "368 s per layer on 2 AMD EPYC cores, about 3 h), plus "
+                       "training-free, 1.30x the original's healed; 4331 s of layer conversion on 2 Intel Xeon "
+                       "cores (at 0.5x 368 s per layer on 2 AMD EPYC cores, about 3 h; 190 s per layer on 768 "
+                       "blocks with --transfer-dtype bfloat16), plus "
                        "the rope-step search over every block (70 s for 128; --rope-step N skips it) (docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
         "calib_samples": 896,

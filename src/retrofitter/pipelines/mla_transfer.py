@@ -8,8 +8,9 @@ input norm) and targets y [b, n, d] (after ``o_proj``; below), Adam minimises
 
 over θ = q_proj, kv_a_proj, k_pe_proj, K_up, V_up and o_proj, ``epochs`` passes over the calibration blocks in a
 seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine decay to 0; the steps run the
-module's ``decompressed`` execution (modules/mla_attention.py), optionally under bfloat16 autocast (``dtype``: about
-twice as fast on CPUs with native bfloat16 and on GPUs; benchmarks/mla_transfer_step.py). E is measured on every
+module's ``decompressed`` execution (modules/mla_attention.py), optionally under bfloat16 autocast (``dtype``: a step
+took 0.47× the float32 time on AMD EPYC with AVX512-BF16, for the same perplexity; benchmarks/mla_transfer_step.py,
+docs/results.md §13d; not measured on other hardware). E is measured on every
 block before and after; if training did not lower it the closed-form weights are put back, so the transfer never
 leaves a layer worse on its calibration data (at the full budget the closed form is exact and stays so).
 
