@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from retrofitter.eval.perplexity import block_nll, block_nll_reference, perplexity
+from retrofitter.eval.perplexity import block_nll, block_nll_reference, block_nlls, paired_ratio, perplexity
 from tiny_models import TINY_VOCAB, build_tiny, build_tiny_without_adapter
 
 
@@ -71,3 +71,33 @@ def test_model_without_adapter_gets_its_perplexity_from_full_logits():
     result = perplexity(model, blocks, batch_size=2, progress=False)
     assert result.tokens == 30
     assert result.ppl == pytest.approx(math.exp(float(nll) / 30), rel=1e-6)
+
+
+def test_paired_ratio_is_the_perplexity_ratio_with_a_block_interval():
+    blocks = torch.randint(3, TINY_VOCAB, (6, 12), generator=torch.Generator().manual_seed(7))
+    base, other = build_tiny("llama", dtype=torch.float64), build_tiny("llama", dtype=torch.float64)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    nll_base, nll_other = block_nlls(base, blocks, progress=False), block_nlls(other, blocks, progress=False)
+    assert nll_base.shape == (6,)
+    ppl_base = perplexity(base, blocks, progress=False).ppl
+    ppl_other = perplexity(other, blocks, progress=False).ppl
+    paired = paired_ratio(nll_base, nll_other, seq_len=12)
+    assert paired.ratio == pytest.approx(ppl_other / ppl_base, rel=1e-12)
+    # the interval by hand: per-token differences of the 6 blocks, sample std over sqrt(6)
+    d = [(float(nll_other[b]) - float(nll_base[b])) / 11 for b in range(6)]
+    mean = sum(d) / 6
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 5) / math.sqrt(6)
+    assert paired.log_ratio_se == pytest.approx(se, rel=1e-9) and se > 0
+    assert paired.low == pytest.approx(math.exp(mean - 1.959964 * se), rel=1e-9)
+    assert paired.low < paired.ratio < paired.high
+    same = paired_ratio(nll_base, nll_base.clone(), seq_len=12)
+    assert (same.ratio, same.low, same.high, same.log_ratio_se) == (1.0, 1.0, 1.0, 0.0)
+
+
+def test_paired_ratio_rejects_mismatched_or_single_blocks():
+    with pytest.raises(ValueError, match="one shape"):
+        paired_ratio(torch.zeros(3), torch.zeros(4), seq_len=8)
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        paired_ratio(torch.zeros(1), torch.zeros(1), seq_len=8)
