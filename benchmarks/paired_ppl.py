@@ -20,7 +20,7 @@ import torch
 from common import eval_blocks, machine_info
 
 from retrofitter.api import load_model
-from retrofitter.eval.perplexity import block_nlls, paired_ratio
+from retrofitter.eval.perplexity import block_nlls, paired_ratio, perplexity_from_nlls
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
               "blocks": {name: int(b.shape[0]) for name, b in blocks.items()}, "threads": torch.get_num_threads()},
               "machine": machine_info(), "baseline_ppl": {}, "models": {}}
     for name, nll in base_nll.items():
-        record["baseline_ppl"][name] = float(torch.exp(nll.sum() / (nll.shape[0] * (args.seq_len - 1))))
+        record["baseline_ppl"][name] = perplexity_from_nlls(nll, args.seq_len).ppl
     rows = []
     for path in args.models:
         model, _ = load_model(path)
@@ -55,7 +55,7 @@ def main() -> None:
         for name, corpus_blocks in blocks.items():
             nll = block_nlls(model, corpus_blocks, args.batch_size, description=f"{path} {name}")
             paired = paired_ratio(base_nll[name], nll, args.seq_len)
-            ppl = float(torch.exp(nll.sum() / (nll.shape[0] * (args.seq_len - 1))))
+            ppl = perplexity_from_nlls(nll, args.seq_len).ppl
             results[name] = {"ppl": ppl, "ratio": paired.ratio, "ci95": [paired.low, paired.high],
                              "log_ratio_se": paired.log_ratio_se, "blocks": paired.blocks}
             rows.append(f"{path:<45} {name:<12} {record['baseline_ppl'][name]:>8.3f} {ppl:>8.3f} "

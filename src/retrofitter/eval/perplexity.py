@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from ..adapters import UnsupportedArchitectureError, adapter_for
 
-__all__ = ["PerplexityResult", "PairedRatio", "perplexity", "block_nlls", "paired_ratio", "block_nll",
-           "block_nll_reference"]
+__all__ = ["PerplexityResult", "PairedRatio", "perplexity", "perplexity_from_nlls", "block_nlls", "paired_ratio",
+           "block_nll", "block_nll_reference"]
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,18 @@ def block_nlls(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, prog
     return torch.cat(sums)
 
 
+def perplexity_from_nlls(nlls: torch.Tensor, seq_len: int) -> PerplexityResult:
+    """The module docstring's perplexity from the per-block NLL sums [n_blocks] of ``block_nlls``."""
+    total = float(nlls.sum())
+    tokens = nlls.shape[0] * (seq_len - 1)
+    return PerplexityResult(ppl=math.exp(total / tokens), nll_sum=total, tokens=tokens,
+                            blocks=nlls.shape[0], seq_len=seq_len)
+
+
 def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, progress: bool = True,
                description: str = "perplexity") -> PerplexityResult:
     """Perplexity of ``model`` on token ``blocks`` [n_blocks, seq_len] (see module docstring)."""
-    total = float(block_nlls(model, blocks, batch_size, progress, description).sum())
-    tokens = blocks.shape[0] * (blocks.shape[1] - 1)
-    return PerplexityResult(ppl=math.exp(total / tokens), nll_sum=total, tokens=tokens,
-                            blocks=blocks.shape[0], seq_len=blocks.shape[1])
+    return perplexity_from_nlls(block_nlls(model, blocks, batch_size, progress, description), blocks.shape[1])
 
 
 @dataclass(frozen=True)
