@@ -13,13 +13,12 @@ exp(mean d), interval exp(mean d ± 1.96·std(d)/√n). Without ``--max-eval-tok
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 from common import eval_blocks, machine_info
 
-from retrofitter.api import load_model
+from retrofitter.api import load_model, write_json
 from retrofitter.eval.perplexity import block_nlls, paired_ratio, perplexity_from_nlls
 
 
@@ -63,8 +62,7 @@ def main() -> None:
         record["models"][path] = results
         del model
     record["seconds"] = time.perf_counter() - start
-    with open(args.json, "w") as handle:
-        json.dump(record, handle, indent=1)
+    write_json(record, args.json)
     print(f"{'model':<45} {'corpus':<12} {'baseline':>8} {'ppl':>8} {'ratio':>7}  95 % interval      blocks")
     print("\n".join(rows))
 

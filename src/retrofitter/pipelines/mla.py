@@ -112,11 +112,10 @@ MLA_PRESETS: dict[str, dict] = {
         "description": "the closed form, then 4 epochs of attention transfer on 896 calibration blocks of 512 "
                        "tokens (the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): "
                        "SmolLM2-135M at KV 0.25x, 26.54 wiki-eval perplexity before healing against 184.67 "
-                       "training-free, 1.30x the original's healed; 4331 s of layer conversion on 2 Intel Xeon "
-                       "cores (at 0.5x 368 s per layer on 2 AMD EPYC cores, about 3 h; 213 s per layer with "
-                       "--transfer-dtype bfloat16, 6387 s; healed 1.046x the original's on all of wiki-eval, 1.051x "
-                       "on its first 4096 tokens), plus "
-                       "the rope-step search over every block (70 s for 128; --rope-step N skips it) (docs/results.md 13d)",
+                       "training-free, 1.30x the original's healed (1.257x on all of wiki-eval); 4331 s of layer "
+                       "conversion on 2 Intel Xeon cores (at 0.5x 368 s per layer on 2 AMD EPYC cores, about 3 h; "
+                       "213 s per layer with --transfer-dtype bfloat16, 6387 s; healed 1.046x the original's on all "
+                       "of wiki-eval, 1.051x on its first 4096 tokens), plus the rope-step search over every block (70 s for 128; --rope-step N skips it) (docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
         "calib_samples": 896,
     },
