@@ -212,6 +212,7 @@ def test_mla_preset_sets_the_recipe_and_explicit_flags_override_it(workspace, mo
     recipe = MLA_PRESETS["quality"]
     assert preset_kwargs["calib_samples"] == recipe["calib_samples"] == 896
     assert {k: getattr(preset_args[2], k) for k in recipe["config"]} == recipe["config"]
+    assert preset_args[2].transfer_batch == 1  # one block per Adam step (docs/results.md 13d)
     assert override_kwargs["calib_samples"] == 2 and override_args[2].transfer_epochs == 1
     assert override_args[2].transfer_target == recipe["config"]["transfer_target"]
     assert plain_kwargs["calib_samples"] == 32 and plain_args[2].transfer_epochs == 0

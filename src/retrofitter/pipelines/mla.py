@@ -66,7 +66,10 @@ class MLAConfig(JsonRoundTrip):
                                   "module learns the original model's attention output on the calibration blocks "
                                   "(--transfer-target; 0: training-free)")
     transfer_lr: float = option(3e-3, "peak Adam learning rate of the attention transfer (cosine decay to 0)")
-    transfer_batch: int = option(4, "calibration blocks per attention-transfer step")
+    transfer_batch: int = option(1, "calibration blocks per attention-transfer step: one block per step takes 4x "
+                                 "the Adam steps of 4 (762 s against 704 s) and gives a better model (SmolLM2-135M "
+                                 "at KV 0.25x, 128 blocks: 36.74 against 43.16 wiki-eval perplexity; "
+                                 "docs/results.md 13d)")
     transfer_dtype: str = option("float32", "autocast dtype of the attention-transfer steps: bfloat16 took 0.47x the "
                                  "float32 step time on AMD EPYC with AVX512-BF16 for the same perplexity (not measured "
                                  "elsewhere); weights and Adam stay float32", choices=TRANSFER_DTYPES)
@@ -110,13 +113,15 @@ class MLAConfig(JsonRoundTrip):
 MLA_PRESETS: dict[str, dict] = {
     "quality": {
         "description": "the closed form, then 4 epochs of attention transfer on 896 calibration blocks of 512 "
-                       "tokens (the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): "
-                       "SmolLM2-135M at KV 0.25x, 26.54 wiki-eval perplexity before healing against 184.67 "
-                       "training-free, 1.30x the original's healed (1.257x on all of wiki-eval); 4331 s of layer "
-                       "conversion on 2 Intel Xeon cores (at 0.5x 368 s per layer on 2 AMD EPYC cores, about 3 h; "
-                       "213 s per layer with --transfer-dtype bfloat16, 6387 s; healed 1.046x the original's on all "
-                       "of wiki-eval, 1.051x on its first 4096 tokens), plus the rope-step search over every block (70 s for 128; --rope-step N skips it) (docs/results.md 13d)",
-        "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual"},
+                       "tokens, one block per Adam step (the default residual targets, lr 3e-3; the built-in "
+                       "wiki-calib holds 919): SmolLM2-135M at KV 0.25x, 25.11 wiki-eval perplexity before healing "
+                       "against 184.67 training-free, 1.253x the original's healed on the first 4096 tokens "
+                       "(1.215x on all of wiki-eval); 5595 s of layer conversion on 2 AMD EPYC cores with "
+                       "--transfer-dtype bfloat16 (with 4 blocks per step, the preset until 2026-12-06: 5055 s, "
+                       "1.291x healed, 1.257x on all of wiki-eval; at 0.5x 213 s per layer, healed 1.046x on all "
+                       "of wiki-eval), plus the rope-step search over every block (70 s for 128; --rope-step N "
+                       "skips it) (docs/results.md 13d)",
+        "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1},
         "calib_samples": 896,
     },
     "long-context": {
