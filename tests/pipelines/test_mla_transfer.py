@@ -1,19 +1,23 @@
 """Attention transfer of the MLA conversion (pipelines/mla_transfer.py) on tiny models: it lowers each layer's
 output error against its targets (the default residual ones, the teacher ones: the original model's attention on its
 own stream, recomputed here), never leaves a layer worse (an exact full-budget layer stays exact), touches only the
-MLA modules, resumes bit for bit, and epochs 0 is the training-free conversion."""
+MLA modules, resumes bit for bit, and epochs 0 is the training-free conversion; at skipped positions (PoSE) the
+targets are the original model's attention at those positions."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
+from retrofitter.adapters.mla_attention import attention_kwargs_at
 from retrofitter.adapters.registry import adapter_for
 from retrofitter.modules.mla_attention import MLAAttention
 from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
-from retrofitter.pipelines.mla_transfer import (AttentionBatch, attention_batches, relative_output_error,
-                                               teacher_targets)
+from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches,
+                                               relative_output_error, skipped_position_ids, teacher_targets)
 from tiny_models import TINY_VOCAB, strong_tiny
 
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
@@ -185,3 +189,72 @@ def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypat
                            checkpoint_dir=bad)
         convert_to_mla(strong_tiny("llama", dtype=torch.float32), MLAConfig(kv_ratio=0.5), CALIBRATION,
                        progress=False, checkpoint_dir=bad)
+
+
+def test_skipped_position_ids_keep_order_and_reach_the_context():
+    ids = skipped_position_ids(64, 32, 200, torch.Generator().manual_seed(0))
+    steps = ids[:, 1:] - ids[:, :-1]
+    assert ids.shape == (64, 32) and bool((ids[:, 0] == 0).all())
+    assert bool((steps >= 1).all()) and bool(((steps > 1).sum(1) <= 1).all())  # one cut, order kept
+    assert int(ids.max()) <= 199 and int(ids[:, -1].max()) > 150  # skips reach far into the context
+    torch.testing.assert_close(skipped_position_ids(3, 32, 32, torch.Generator()), torch.arange(32).expand(3, 32))
+    with pytest.raises(ValueError, match="context"):
+        skipped_position_ids(2, 32, 31, torch.Generator())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_targets_at_skipped_positions_are_the_models_own_attention_there(family):
+    """Layer 0's attention rerun at skipped positions equals what the HF model computes when given those
+    position ids (its own rotary tables), and differs from the targets at positions 0 … n − 1."""
+    model = strong_tiny(family, dtype=torch.float32)
+    adapter = adapter_for(model)
+    layer = adapter.decoder_layers(model)[0]
+    stream = capture_stream(model, adapter, CALIBRATION, 8)
+    batches = attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg)
+    ids = skipped_position_ids(*CALIBRATION.shape, 200, torch.Generator().manual_seed(3))
+    moved = at_positions(batches, [ids], functools.partial(attention_kwargs_at, model), layer.self_attn)
+    seen = []
+    hook = layer.self_attn.register_forward_hook(lambda _m, _a, out: seen.append(out[0]))
+    with torch.no_grad():
+        model(CALIBRATION, position_ids=ids)
+    hook.remove()
+    scale = float(seen[0].abs().max())
+    torch.testing.assert_close(moved[0].target, seen[0], rtol=0, atol=1e-5 * scale)
+    assert float((moved[0].target - batches[0].target).abs().max()) > 1e-3 * scale
+    inputs = at_positions(attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg, targets=False),
+                          [ids], functools.partial(attention_kwargs_at, model))
+    assert inputs[0].target is None
+    torch.testing.assert_close(inputs[0].kwargs["position_embeddings"][0], moved[0].kwargs["position_embeddings"][0])
+    with pytest.raises(ValueError, match="position-id"):
+        at_positions(batches, [], functools.partial(attention_kwargs_at, model))
+
+
+@pytest.mark.parametrize("target", ["residual", "converted"])
+def test_transfer_at_skipped_positions_trains_on_those_positions(target):
+    """With a transfer context each layer's recorded errors are those of its batches at the seeded skipped
+    positions (rebuilt here), it still lowers them, and the model differs from the run without."""
+    model, report = _convert("llama", epochs=4, transfer_lr=3e-3, transfer_target=target, transfer_context=200)
+    plain, _ = _convert("llama", epochs=4, transfer_lr=3e-3, transfer_target=target)
+    original = strong_tiny("llama", dtype=torch.float32)
+    adapter = adapter_for(original)
+    layer, mine = adapter.decoder_layers(original)[0], adapter.decoder_layers(model)[0]
+    stream = capture_stream(original, adapter, CALIBRATION, 8)  # layer 0: both streams are the embeddings
+    ids = skipped_position_ids(*CALIBRATION.shape, 200, torch.Generator().manual_seed(0))
+    batches = at_positions(attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg), [ids],
+                           functools.partial(attention_kwargs_at, original), layer.self_attn)
+    recorded = report["layers"][0]["transfer"]
+    assert relative_output_error(mine.self_attn, batches) == pytest.approx(recorded["error_after"], rel=1e-4)
+    for layer_report in report["layers"]:
+        assert layer_report["transfer"]["kept"]
+        assert layer_report["transfer"]["error_after"] < layer_report["transfer"]["error_before"]
+    difference = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
+                                                                   plain.state_dict().values()))
+    assert difference > 1e-4
+
+
+def test_transfer_context_is_checked_against_the_blocks_and_the_model():
+    with pytest.raises(ValueError, match="transfer_context"):
+        MLAConfig(transfer_context=-1)
+    for context in (31, 257):  # blocks of 32 tokens; the tiny model's max_position_embeddings is 256
+        with pytest.raises(ValueError, match="--transfer-context"):
+            _convert("llama", epochs=1, transfer_context=context)

@@ -16,8 +16,8 @@ from .latent_attention import attention_resolver, eager_kernel
 from .latent_cache import latent_cache_layer
 from .registry import UnsupportedArchitectureError, adapter_for
 
-__all__ = ["check_mla_supported", "model_inv_freq", "attention_score_settings", "empty_mla_attention",
-           "mla_attention_from_factors", "mla_attention_spec", "rebuild_mla_attention"]
+__all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_score_settings",
+           "empty_mla_attention", "mla_attention_from_factors", "mla_attention_spec", "rebuild_mla_attention"]
 
 CAPABILITY = "latent_attention"
 
@@ -52,6 +52,18 @@ def model_inv_freq(model: nn.Module) -> torch.Tensor:
     """θ_f [dh/2] of the model's rotary embedding (its scaling included)."""
     adapter = adapter_for(model)
     return model.get_submodule(adapter.rotary_path).inv_freq.detach().to(torch.float64)
+
+
+def attention_kwargs_at(model: nn.Module, kwargs: dict, position_ids: torch.Tensor) -> dict:
+    """An attention call's keyword arguments (as the decoder layer passes them) moved to ``position_ids`` [b, n]:
+    the model's own rotary tables for those positions (its scaling included), and the ids where the call has them."""
+    rotary = model.get_submodule(adapter_for(model, capability=CAPABILITY).rotary_path)
+    hidden = kwargs["hidden_states"]
+    ids = position_ids.to(hidden.device)
+    moved = dict(kwargs, position_embeddings=rotary(hidden, ids))  # (cos, sin), each [b, n, dh]
+    if moved.get("position_ids") is not None:
+        moved["position_ids"] = ids
+    return moved
 
 
 def attention_score_settings(model: nn.Module, attention: nn.Module) -> tuple[float, int | None]:

@@ -13,6 +13,7 @@ stream leaves through the *converted* layer, so layer l + 1 is fitted on what it
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -21,8 +22,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..adapters.mla_attention import (attention_score_settings, check_mla_supported, mla_attention_from_factors,
-                                      model_inv_freq, rebuild_mla_attention)
+from ..adapters.mla_attention import (attention_kwargs_at, attention_score_settings, check_mla_supported,
+                                      mla_attention_from_factors, model_inv_freq, rebuild_mla_attention)
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
@@ -30,7 +31,8 @@ from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import restore_streams, save_layer_progress
-from .mla_transfer import TRANSFER_DTYPES, TRANSFER_TARGETS, attention_batches, teacher_targets, transfer_attention
+from .mla_transfer import (TRANSFER_DTYPES, TRANSFER_TARGETS, at_positions, attention_batches, skipped_position_ids,
+                           teacher_targets, transfer_attention)
 from .resume import RunDirectory, layer_run_fingerprint
 
 UNROTATED_FITS = ("attention", "none")
@@ -77,6 +79,10 @@ class MLAConfig(JsonRoundTrip):
                                   "the original model's stream plus the gap of the residual streams: the converted "
                                   "layer's residual lands on the original's), teacher (without the gap) or converted "
                                   "(the original attention on the converted stream)", choices=TRANSFER_TARGETS)
+    transfer_context: int = option(0, "train the transfer for distances up to this many tokens by skipping "
+                                   "positions inside each calibration block (PoSE: positions 0..c-1, c+u..n-1+u, "
+                                   "cut c and skip u drawn per block; the original attention rerun there for the "
+                                   "target); 0: the blocks' own positions 0..n-1")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -100,6 +106,8 @@ class MLAConfig(JsonRoundTrip):
         if self.transfer_epochs < 0 or self.transfer_batch < 1 or self.transfer_lr <= 0:
             raise ValueError(f"transfer_epochs must be >= 0, transfer_batch >= 1 and transfer_lr > 0; got "
                              f"{self.transfer_epochs}, {self.transfer_batch}, {self.transfer_lr}")
+        if self.transfer_context < 0:
+            raise ValueError(f"transfer_context must be >= 0 (0: no skipped positions), got {self.transfer_context}")
         if self.transfer_target not in TRANSFER_TARGETS:
             raise ValueError(f"transfer_target must be one of {TRANSFER_TARGETS}, got {self.transfer_target!r}")
         if self.transfer_dtype not in TRANSFER_DTYPES:
@@ -116,7 +124,7 @@ MLA_PRESETS: dict[str, dict] = {
                        "tokens, one block per Adam step (the default residual targets, lr 3e-3; the built-in "
                        "wiki-calib holds 919): SmolLM2-135M at KV 0.25x, 25.11 wiki-eval perplexity before healing "
                        "against 184.67 training-free, 1.253x the original's healed on the first 4096 tokens "
-                       "(1.215x on all of wiki-eval; 5.13x at seq 2048, use long-context there); 5595 s of layer conversion on 2 AMD EPYC cores with "
+                       "(1.215x on all of wiki-eval; 5.13x at seq 2048: use long-context or --transfer-context 2048 there); 5595 s of layer conversion on 2 AMD EPYC cores with "
                        "--transfer-dtype bfloat16 (with 4 blocks per step, the preset until 2026-12-06: 5055 s, "
                        "1.291x healed, 1.257x on all of wiki-eval; at 0.5x 213 s per layer, healed 1.046x on all "
                        "of wiki-eval), plus the rope-step search over every block (70 s for 128; --rope-step N "
@@ -196,18 +204,28 @@ def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter,
     return restore_streams(run_dir, streams)
 
 
-def _transfer_batches(config: MLAConfig, layer: nn.Module, adapter, streams: dict[str, LayerStream]):
-    """The transfer's batches for ``layer`` (still original): inputs from the converted stream, targets as
-    ``config.transfer_target`` says (pipelines/mla_transfer.py)."""
+def _transfer_batches(config: MLAConfig, model: nn.Module, index: int, adapter, streams: dict[str, LayerStream]):
+    """The transfer's batches for layer ``index`` (still original): inputs from the converted stream, targets as
+    ``config.transfer_target`` says, at skipped positions when ``config.transfer_context`` is set (seeded by the
+    layer; pipelines/mla_transfer.py)."""
+    layer = adapter.decoder_layers(model)[index]
     attention, stream = adapter.attention(layer), streams["stream"]
     converted = config.transfer_target == "converted"
     batches = attention_batches(layer, attention, stream, adapter.cache_kwarg, targets=converted)
+    teacher = None if converted else attention_batches(layer, attention, streams["teacher_stream"],
+                                                       adapter.cache_kwarg)
+    if config.transfer_context:
+        generator = torch.Generator().manual_seed(index)
+        ids = [skipped_position_ids(h.shape[0], h.shape[1], config.transfer_context, generator)
+               for h in stream.hidden]
+        move = functools.partial(attention_kwargs_at, model)
+        batches = at_positions(batches, ids, move, attention if converted else None)
+        teacher = None if converted else at_positions(teacher, ids, move, attention)
     if converted:
         return batches
-    teacher = streams["teacher_stream"]
-    gaps = ([h_t - h for h_t, h in zip(teacher.hidden, stream.hidden)] if config.transfer_target == "residual"
-            else None)
-    return teacher_targets(batches, attention_batches(layer, attention, teacher, adapter.cache_kwarg), gaps)
+    gaps = ([h_t - h for h_t, h in zip(streams["teacher_stream"].hidden, stream.hidden)]
+            if config.transfer_target == "residual" else None)
+    return teacher_targets(batches, teacher, gaps)
 
 
 @torch.no_grad()
@@ -237,6 +255,11 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
     if config.rope_step and (rope_dim // 2 - 1) * config.rope_step >= layout.head_dim // 2:
         raise ValueError(f"--rope-step {config.rope_step} does not fit: {rope_dim // 2} frequencies 0, s, 2s, ... "
                          f"need (m - 1)·s < {layout.head_dim // 2}")
+    limit = getattr(adapter.text_config(model), "max_position_embeddings", None) or config.transfer_context
+    if config.transfer_epochs and config.transfer_context and not (calibration.shape[1] <= config.transfer_context
+                                                                   <= limit):
+        raise ValueError(f"--transfer-context {config.transfer_context} must lie between the calibration block "
+                         f"length {calibration.shape[1]} and the model's max_position_embeddings {limit} (0: off)")
     inv_freq = model_inv_freq(model)
     model.eval()
     run_dir = state = None
@@ -271,7 +294,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               context=config.rope_context, damping=config.damping, selection=config.rope_selection,
                               metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step,
                               rotation_fit=fit)
-        batches = _transfer_batches(config, layer, adapter, streams) if config.transfer_epochs else None
+        batches = _transfer_batches(config, model, index, adapter, streams) if config.transfer_epochs else None
         if "teacher_stream" in streams:  # through the original layer, before its attention is replaced
             streams["teacher_stream"] = streams["teacher_stream"].advance(layer)
         module = mla_attention_from_factors(adapter.attention(layer), model, factors)

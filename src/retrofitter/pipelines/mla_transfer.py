@@ -20,12 +20,20 @@ layer's residual after attention lands on the original's; ``teacher`` — Attn_l
 for the drift of the layers before it in its own output, LatentLLM's teacher targets); ``converted`` —
 Attn_l(x) on the same converted-stream input (each layer mimics its original). SmolLM2-135M at KV 0.25×:
 wiki-eval 43.03 / 46.29 / 48.96 (docs/results.md §13d).
+
+Skipped positions (PoSE, Zhu et al. 2023; ``skipped_position_ids``, ``at_positions``): a block of n tokens only
+shows the transfer distances below n, and an MLA layer keeps RoPE on a few frequencies only, so what it learns
+there need not hold further away (the converted SmolLM2-135M's loss rises past token 512 when trained on blocks
+of 512). With a target context L > n each block gets the positions 0 … c − 1, c + u … n − 1 + u (cut c, skip u
+drawn per block), so pairs across the cut sit up to L − 1 apart; the original attention is run again on those
+positions for the target, and both sides see the same rotary tables.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,9 +41,8 @@ from torch import nn
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
 TRANSFER_DTYPES = ("float32", "bfloat16")
 
-__all__ = ["TRANSFER_DTYPES", "TRANSFER_TARGETS", "AttentionBatch", "attention_batches", "relative_output_error",
-           "teacher_targets",
-           "transfer_attention"]
+__all__ = ["TRANSFER_DTYPES", "TRANSFER_TARGETS", "AttentionBatch", "at_positions", "attention_batches",
+           "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -116,6 +123,35 @@ def teacher_targets(batches: list[AttentionBatch], teacher: list[AttentionBatch]
     targets = [t.target if residual_gaps is None else t.target + residual_gaps[i].to(t.target)
                for i, t in enumerate(teacher)]
     return [AttentionBatch(b.kwargs, y) for b, y in zip(batches, targets)]
+
+
+def skipped_position_ids(rows: int, length: int, context: int, generator: torch.Generator) -> torch.Tensor:
+    """Position ids [rows, length] that reach up to ``context`` − 1 (PoSE): per row a cut c ~ U{1 … n − 1} and a
+    skip u ~ U{0 … L − n}; ids 0 … c − 1 then c + u … n − 1 + u (order kept, so causal masks stay as they are)."""
+    if length < 2 or context < length:
+        raise ValueError(f"skipped positions need blocks of >= 2 tokens and a context >= the block length; got "
+                         f"blocks of {length}, context {context}")
+    cut = torch.randint(1, length, (rows, 1), generator=generator)
+    skip = torch.randint(0, context - length + 1, (rows, 1), generator=generator)
+    ids = torch.arange(length).expand(rows, length)
+    return ids + skip * (ids >= cut)
+
+
+@torch.no_grad()
+def at_positions(batches: list[AttentionBatch], position_ids: list[torch.Tensor],
+                 with_positions: Callable[[dict, torch.Tensor], dict],
+                 attention: nn.Module | None = None) -> list[AttentionBatch]:
+    """``batches`` moved to ``position_ids`` (per batch [b, n]): ``with_positions(kwargs, ids)`` (the adapter's)
+    gives the attention's keyword arguments at those positions; with ``attention`` (the original) the targets are
+    its outputs there, else the targets are kept (None for inputs whose targets come from elsewhere)."""
+    if len(batches) != len(position_ids):
+        raise ValueError(f"{len(batches)} batches but {len(position_ids)} position-id tensors")
+    moved = []
+    for batch, ids in zip(batches, position_ids):
+        kwargs = with_positions(batch.kwargs, ids)
+        target = batch.target if attention is None else _output(attention, AttentionBatch(kwargs, None)).detach()
+        moved.append(AttentionBatch(kwargs, target))
+    return moved
 
 
 def _output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
