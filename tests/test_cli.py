@@ -206,14 +206,16 @@ def test_mla_preset_sets_the_recipe_and_explicit_flags_override_it(workspace, mo
     monkeypatch.setattr("retrofitter.cli.show_results", lambda results, args: 0)
     base = ["mla", str(model_dir), "--out", str(tmp / "m"), "--calib", str(corpus), "--quiet"]
     assert main(base + ["--preset", "quality"]) == 0
-    assert main(base + ["--preset", "quality", "--transfer-epochs", "1", "--calib-samples", "2"]) == 0
+    assert main(base + ["--preset", "quality", "--transfer-epochs", "1", "--calib-samples", "2", "--transfer-context", "0"]) == 0
     assert main(base) == 0
     (preset_args, preset_kwargs), (override_args, override_kwargs), (plain_args, plain_kwargs) = seen
     recipe = MLA_PRESETS["quality"]
     assert preset_kwargs["calib_samples"] == recipe["calib_samples"] == 896
     assert {k: getattr(preset_args[2], k) for k in recipe["config"]} == recipe["config"]
     assert preset_args[2].transfer_batch == 1  # one block per Adam step (docs/results.md 13d)
+    assert preset_args[2].transfer_context == 2048  # skipped positions: distances to 2048 (docs/results.md 13d)
     assert override_kwargs["calib_samples"] == 2 and override_args[2].transfer_epochs == 1
+    assert override_args[2].transfer_context == 0
     assert override_args[2].transfer_target == recipe["config"]["transfer_target"]
     assert plain_kwargs["calib_samples"] == 32 and plain_args[2].transfer_epochs == 0
     assert plain_kwargs["seq_len"] == 512 and plain_args[3].seq_len == 512

@@ -121,22 +121,24 @@ class MLAConfig(JsonRoundTrip):
 MLA_PRESETS: dict[str, dict] = {
     "quality": {
         "description": "the closed form, then 4 epochs of attention transfer on 896 calibration blocks of 512 "
-                       "tokens, one block per Adam step (the default residual targets, lr 3e-3; the built-in "
-                       "wiki-calib holds 919): SmolLM2-135M at KV 0.25x, 25.11 wiki-eval perplexity before healing "
-                       "against 184.67 training-free, 1.253x the original's healed on the first 4096 tokens "
-                       "(1.215x on all of wiki-eval; 5.13x at seq 2048: use long-context or --transfer-context 2048 there); 5595 s of layer conversion on 2 AMD EPYC cores with "
-                       "--transfer-dtype bfloat16 (with 4 blocks per step, the preset until 2026-12-06: 5055 s, "
-                       "1.291x healed, 1.257x on all of wiki-eval; at 0.5x 213 s per layer, healed 1.046x on all "
-                       "of wiki-eval), plus the rope-step search over every block (70 s for 128; --rope-step N "
-                       "skips it) (docs/results.md 13d)",
-        "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1},
+                       "tokens, one block per Adam step, at skipped positions reaching 2048 (--transfer-context "
+                       "2048; the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): SmolLM2-135M "
+                       "at KV 0.25x, 25.36 wiki-eval perplexity before healing against 184.67 training-free; healed "
+                       "1.260x the original's on the first 4096 tokens, 1.222x on all of wiki-eval and 1.32x at seq "
+                       "2048 (without skipped positions, the preset until 2026-12-06: 1.253x, 1.215x and 5.13x); "
+                       "221 s of conversion per layer on 2 AMD EPYC cores with --transfer-dtype bfloat16 (177 s "
+                       "without skipped positions; at 0.5x with 4 blocks per step and no skipped positions 213 s, "
+                       "healed 1.046x on all of wiki-eval), plus the rope-step search over every block (70 s for "
+                       "128; --rope-step N skips it) (docs/results.md 13d)",
+        "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1,
+                   "transfer_context": 2048},
         "calib_samples": 896,
     },
     "long-context": {
         "description": "quality's recipe on 131,072 calibration tokens cut into 64 blocks of 2048 (one block per "
-                       "transfer step), for models served past 512 tokens: SmolLM2-135M at KV 0.25x, healed as "
-                       "quality's, 27.90 wiki-eval perplexity at seq 2048 (1.60x the original's; quality 5.13x, 2.78x with 4 blocks per step) and "
-                       "31.12 at seq 512 (1.62x; quality 1.30x); 83 s of conversion per layer on 2 cores "
+                       "transfer step, no skipped positions): SmolLM2-135M at KV 0.25x, healed as quality's, 27.90 "
+                       "wiki-eval perplexity at seq 2048 (1.60x the original's; quality 1.32x) and 31.12 at seq 512 "
+                       "(1.62x; quality 1.26x); 83 s of conversion per layer on 2 Intel Xeon cores in float32 "
                        "(docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1},
         "calib_samples": 64,
