@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retrofitter.data.blocks import calibration_blocks, token_blocks
+from retrofitter.data.blocks import calibration_blocks, token_blocks, with_repeated_spans
 
 
 class WordTokenizer:
@@ -66,3 +66,28 @@ def test_calibration_blocks_is_strict_about_count():
     assert torch.equal(blocks, token_blocks(tokenizer, _text(50), seq_len=5)[:4])
     with pytest.raises(ValueError, match="yields only 12 blocks of seq_len=5, 20 were requested"):
         calibration_blocks(tokenizer, _text(50), seq_len=5, n_blocks=20)
+
+
+def test_with_repeated_spans_ends_the_chosen_blocks_with_an_earlier_span_of_their_own():
+    blocks = torch.arange(8 * 40).view(8, 40)  # every token distinct, so a span's source is unique
+    out = with_repeated_spans(blocks, 0.5, 6, seed=3)
+    changed = [row for row in range(8) if not torch.equal(out[row], blocks[row])]
+    assert changed == [0, 2, 5, 7]  # round(linspace(0, 7, 4)): evenly spaced, first and last included
+    for row in range(8):
+        assert torch.equal(out[row, :34], blocks[row, :34])  # only the last m = 6 tokens may change
+    for row in changed:
+        start = int(out[row, 34]) - int(blocks[row, 0])
+        assert 1 <= start <= 40 - 2 * 6  # never the BOS position; the source ends before the repeat
+        assert torch.equal(out[row, 34:], blocks[row, start:start + 6])
+    assert torch.equal(out, with_repeated_spans(blocks, 0.5, 6, seed=3))
+    assert not torch.equal(out, with_repeated_spans(blocks, 0.5, 6, seed=4))
+    assert torch.equal(with_repeated_spans(blocks, 0.5, 100, seed=3)[:, 30:31], blocks[:, 30:31])  # m = 39 // 4 = 9
+    assert torch.equal(with_repeated_spans(blocks, 0.0, 6), blocks)
+    assert (with_repeated_spans(blocks, 1.0, 6)[:, 34:] != blocks[:, 34:]).any(dim=1).all()
+
+
+def test_with_repeated_spans_refuses_a_bad_share_and_too_short_blocks():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        with_repeated_spans(torch.zeros(2, 40, dtype=torch.long), 1.5, 6)
+    with pytest.raises(ValueError, match="too short"):
+        with_repeated_spans(torch.zeros(2, 4, dtype=torch.long), 0.5, 6)

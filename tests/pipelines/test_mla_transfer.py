@@ -13,6 +13,7 @@ import torch
 
 from retrofitter.adapters.mla_attention import attention_kwargs_at
 from retrofitter.adapters.registry import adapter_for
+from retrofitter.data.blocks import with_repeated_spans
 from retrofitter.modules.mla_attention import MLAAttention
 from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
@@ -258,3 +259,21 @@ def test_transfer_context_is_checked_against_the_blocks_and_the_model():
     for context in (31, 257):  # blocks of 32 tokens; the tiny model's max_position_embeddings is 256
         with pytest.raises(ValueError, match="--transfer-context"):
             _convert("llama", epochs=1, transfer_context=context)
+
+
+def test_repeated_spans_calibrate_the_conversion_on_the_blocks_with_repeats():
+    """--repeat-share converts on the calibration with repeated spans (data/blocks.py), the same conversion as
+    that calibration given directly, and not the plain one's."""
+    repeated, report = _convert("llama", epochs=1, repeat_share=0.5, repeat_span=8)
+    given = strong_tiny("llama", dtype=torch.float32)
+    convert_to_mla(given, MLAConfig(kv_ratio=0.25, transfer_epochs=1, transfer_batch=2),
+                   with_repeated_spans(CALIBRATION, 0.5, 8), progress=False)
+    plain, _ = _convert("llama", epochs=1)
+    expected, baseline = given.state_dict(), plain.state_dict()
+    for name, tensor in repeated.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)  # same inputs, same code path
+    assert max(float((t - baseline[n]).abs().max()) for n, t in repeated.state_dict().items()) > 1e-4
+    assert report["config"]["repeat_share"] == 0.5 and report["config"]["repeat_span"] == 8
+    for bad in ({"repeat_share": -0.1}, {"repeat_share": 1.1}, {"repeat_span": 0}):
+        with pytest.raises(ValueError, match="repeat"):
+            MLAConfig(**bad)

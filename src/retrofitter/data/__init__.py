@@ -9,7 +9,7 @@ _EXPORTS = {
     "cache_dir": "cache", "FetchError": "packages",
     "MODEL_ALIASES": "models", "fetch_model": "models", "resolve_model_source": "models",
     "CORPORA": "corpora", "load_text": "corpora",
-    "token_blocks": "blocks", "calibration_blocks": "blocks",
+    "token_blocks": "blocks", "calibration_blocks": "blocks", "with_repeated_spans": "blocks",
     "fetch_groups": "fetch",
 }
 # `fetch` (the function) is not re-exported: the name belongs to the submodule

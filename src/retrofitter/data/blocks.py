@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["token_blocks", "calibration_blocks", "tokenize_text"]
+__all__ = ["token_blocks", "calibration_blocks", "tokenize_text", "with_repeated_spans"]
 
 
 def tokenize_text(tokenizer: Any, text: str) -> list[int]:
@@ -76,3 +76,31 @@ def calibration_blocks(
         raise ValueError(f"the calibration text yields only {blocks.shape[0]} blocks of seq_len={seq_len}, "
                          f"{n_blocks} were requested; lower n_blocks/seq_len or use a longer corpus")
     return blocks
+
+
+def with_repeated_spans(blocks: torch.Tensor, share: float, span: int, seed: int = 0) -> torch.LongTensor:
+    """Retrieval-shaped calibration: a copy of ``blocks`` [n, L] in which ``round(share · n)`` evenly spaced blocks
+    end with a repeat of one of their own earlier spans.
+
+    In a chosen block b the last ``m = min(span, (L - 1) // 4)`` tokens become ``b[a : a + m]``, ``a`` drawn
+    uniformly from ``1 .. L - 2m`` (never position 0, the BOS; the source ends before the repeat starts), so the
+    distance between a token and its earlier copy is L - m - a, between m and L - m - 1. Reading the repeat, a
+    model's copying (induction) heads attend back across that distance: the attention that passkey retrieval needs,
+    which plain prose seldom asks for. Deterministic in ``seed``; the other blocks are unchanged.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the share of blocks with a repeated span must lie in [0, 1], got {share}")
+    n, length = blocks.shape
+    m = min(span, (length - 1) // 4)
+    chosen = round(share * n)
+    if chosen and m < 1:
+        raise ValueError(f"blocks of {length} tokens are too short for a repeated span (at least 5 tokens)")
+    out = blocks.clone()
+    if chosen == 0:
+        return out
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.linspace(0, n - 1, chosen).round().long().unique()  # evenly spaced, first and last included
+    starts = torch.randint(1, length - 2 * m + 1, (len(rows),), generator=generator)
+    for row, start in zip(rows.tolist(), starts.tolist()):
+        out[row, length - m:] = blocks[row, start:start + m]
+    return out

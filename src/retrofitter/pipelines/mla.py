@@ -26,6 +26,7 @@ from ..adapters.mla_attention import (attention_kwargs_at, attention_score_setti
                                       mla_attention_from_factors, model_inv_freq, rebuild_mla_attention)
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
+from ..data.blocks import with_repeated_spans
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
 from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
@@ -83,6 +84,10 @@ class MLAConfig(JsonRoundTrip):
                                    "positions inside each calibration block (PoSE: positions 0..c-1, c+u..n-1+u, "
                                    "cut c and skip u drawn per block; the original attention rerun there for the "
                                    "target); 0: the blocks' own positions 0..n-1")
+    repeat_share: float = option(0.0, "share of the calibration blocks that end with a repeat of one of their own "
+                                 "earlier spans (retrieval-shaped calibration: the original's copying heads attend "
+                                 "back across the block, and the fit and the transfer learn that attention)")
+    repeat_span: int = option(64, "tokens of each repeated span (at most a quarter of the block)")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -108,6 +113,9 @@ class MLAConfig(JsonRoundTrip):
                              f"{self.transfer_epochs}, {self.transfer_batch}, {self.transfer_lr}")
         if self.transfer_context < 0:
             raise ValueError(f"transfer_context must be >= 0 (0: no skipped positions), got {self.transfer_context}")
+        if not 0.0 <= self.repeat_share <= 1.0 or self.repeat_span < 1:
+            raise ValueError(f"repeat_share (--repeat-share) must lie in [0, 1] and repeat_span (--repeat-span) be "
+                             f">= 1; got {self.repeat_share}, {self.repeat_span}")
         if self.transfer_target not in TRANSFER_TARGETS:
             raise ValueError(f"transfer_target must be one of {TRANSFER_TARGETS}, got {self.transfer_target!r}")
         if self.transfer_dtype not in TRANSFER_DTYPES:
@@ -262,6 +270,8 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                                                                    <= limit):
         raise ValueError(f"--transfer-context {config.transfer_context} must lie between the calibration block "
                          f"length {calibration.shape[1]} and the model's max_position_embeddings {limit} (0: off)")
+    if config.repeat_share:
+        calibration = with_repeated_spans(calibration, config.repeat_share, config.repeat_span)
     inv_freq = model_inv_freq(model)
     model.eval()
     run_dir = state = None
