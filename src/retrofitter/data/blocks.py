@@ -83,10 +83,10 @@ def with_repeated_spans(blocks: torch.Tensor, share: float, span: int, seed: int
     end with a repeat of one of their own earlier spans.
 
     In a chosen block b the last ``m = min(span, (L - 1) // 4)`` tokens become ``b[a : a + m]``, ``a`` drawn
-    uniformly from ``1 .. L - 2m`` (never position 0, the BOS; the source ends before the repeat starts), so the
-    distance between a token and its earlier copy is L - m - a, between m and L - m - 1. Reading the repeat, a
-    model's copying (induction) heads attend back across that distance: the attention that passkey retrieval needs,
-    which plain prose seldom asks for. Deterministic in ``seed``; the other blocks are unchanged.
+    uniformly from ``1 .. L - 2m`` (never position 0, the BOS if there is one; the source ends before the repeat
+    starts), so the distance between a token and its earlier copy is L - m - a, between m and L - m - 1. Reading the
+    repeat, a model's copying (induction) heads attend back across that distance: the attention that passkey
+    retrieval needs, which plain prose seldom asks for. Deterministic in ``seed``; the other blocks are unchanged.
     """
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"the share of blocks with a repeated span must lie in [0, 1], got {share}")
