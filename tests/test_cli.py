@@ -206,7 +206,8 @@ def test_mla_preset_sets_the_recipe_and_explicit_flags_override_it(workspace, mo
     monkeypatch.setattr("retrofitter.cli.show_results", lambda results, args: 0)
     base = ["mla", str(model_dir), "--out", str(tmp / "m"), "--calib", str(corpus), "--quiet"]
     assert main(base + ["--preset", "quality"]) == 0
-    assert main(base + ["--preset", "quality", "--transfer-epochs", "1", "--calib-samples", "2", "--transfer-context", "0"]) == 0
+    assert main(base + ["--preset", "quality", "--transfer-epochs", "1", "--calib-samples", "2",
+                        "--transfer-context", "0"]) == 0
     assert main(base) == 0
     (preset_args, preset_kwargs), (override_args, override_kwargs), (plain_args, plain_kwargs) = seen
     recipe = MLA_PRESETS["quality"]

@@ -69,8 +69,10 @@ def test_calibration_blocks_is_strict_about_count():
 
 
 def test_with_repeated_spans_ends_the_chosen_blocks_with_an_earlier_span_of_their_own():
+    # token ids: integer tensors, copied by indexing, so torch.equal is exact on every CPU
     blocks = torch.arange(8 * 40).view(8, 40)  # every token distinct, so a span's source is unique
     out = with_repeated_spans(blocks, 0.5, 6, seed=3)
+    assert blocks.dtype == out.dtype == torch.long
     changed = [row for row in range(8) if not torch.equal(out[row], blocks[row])]
     assert changed == [0, 2, 5, 7]  # round(linspace(0, 7, 4)): evenly spaced, first and last included
     for row in range(8):

@@ -15,6 +15,7 @@ from retrofitter.adapters.mla_attention import attention_kwargs_at
 from retrofitter.adapters.registry import adapter_for
 from retrofitter.data.blocks import with_repeated_spans
 from retrofitter.modules.mla_attention import MLAAttention
+from retrofitter.pipelines import mla as mla_pipeline
 from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches,
@@ -261,18 +262,34 @@ def test_transfer_context_is_checked_against_the_blocks_and_the_model():
             _convert("llama", epochs=1, transfer_context=context)
 
 
-def test_repeated_spans_calibrate_the_conversion_on_the_blocks_with_repeats():
-    """--repeat-share converts on the calibration with repeated spans (data/blocks.py), the same conversion as
-    that calibration given directly, and not the plain one's."""
+def test_repeated_spans_calibrate_the_conversion_on_the_blocks_with_repeats(monkeypatch):
+    """--repeat-share converts on the calibration with repeated spans (data/blocks.py): every stream the conversion
+    captures reads exactly those token ids, the weights match the conversion given that calibration directly (within
+    what rounding can move them, below), and differ from the plain one's."""
+    seen = []  # the token ids of every calibration stream the conversion captures (integers: exact on any CPU)
+    real_capture = mla_pipeline.capture_stream
+
+    def capture(model, adapter, calibration, batch_size):
+        seen.append(calibration.clone())
+        return real_capture(model, adapter, calibration, batch_size)
+
+    monkeypatch.setattr(mla_pipeline, "capture_stream", capture)
     repeated, report = _convert("llama", epochs=1, repeat_share=0.5, repeat_span=8)
+    monkeypatch.undo()
+    with_repeats = with_repeated_spans(CALIBRATION, 0.5, 8)
+    assert seen and all(ids.dtype == torch.long and torch.equal(ids, with_repeats) for ids in seen)
     given = strong_tiny("llama", dtype=torch.float32)
-    convert_to_mla(given, MLAConfig(kv_ratio=0.25, transfer_epochs=1, transfer_batch=2),
-                   with_repeated_spans(CALIBRATION, 0.5, 8), progress=False)
+    convert_to_mla(given, MLAConfig(kv_ratio=0.25, transfer_epochs=1, transfer_batch=2), with_repeats,
+                   progress=False)
     plain, _ = _convert("llama", epochs=1)
     expected, baseline = given.state_dict(), plain.state_dict()
+    # Same inputs and code; only the order of float32 roundings may differ between runs (MKL picks kernels by memory
+    # alignment). The closed form moves by rounding times the fit's conditioning; each of the 3 Adam steps (6 blocks
+    # in pieces of 2, one epoch) moves a weight by at most about lr = 3e-3, so a flipped update is bounded by 3 * lr.
     for name, tensor in repeated.state_dict().items():
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)  # same inputs, same code path
-    assert max(float((t - baseline[n]).abs().max()) for n, t in repeated.state_dict().items()) > 1e-4
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=3 * 3e-3)
+    # the plain calibration moves the weights by far more than that bound (measured: 2.8)
+    assert max(float((t - baseline[n]).abs().max()) for n, t in repeated.state_dict().items()) > 10 * 3 * 3e-3
     assert report["config"]["repeat_share"] == 0.5 and report["config"]["repeat_span"] == 8
     for bad in ({"repeat_share": -0.1}, {"repeat_share": 1.1}, {"repeat_span": 0}):
         with pytest.raises(ValueError, match="repeat"):
