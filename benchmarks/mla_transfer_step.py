@@ -2,15 +2,19 @@
 
 The step is what ``retrofitter mla --transfer-epochs`` repeats per layer (pipelines/mla_transfer.py): the MLA
 module's forward on a batch of calibration blocks, the squared error against a target, backward, one Adam step.
-Three settings on the same module and inputs (the layer's real attention inputs on wiki-calib text), in rounds
+Four settings on the same module and inputs (the layer's real attention inputs on wiki-calib text), in rounds
 so that drift of the machine hits each alike:
 
 * ``absorbed`` float32: the serving execution (SDPA over the shared key [c, k_pe], value = key), the transfer's
   step before the decompressed execution existed;
-* ``decompressed`` float32: the transfer's execution (modules/mla_attention.py);
-* ``decompressed`` bfloat16: the same under bfloat16 autocast (``--transfer-dtype bfloat16``).
+* ``decompressed`` float32: the transfer's default execution (modules/mla_attention.py);
+* ``decompressed`` bfloat16: the same under bfloat16 autocast (``--transfer-dtype bfloat16``);
+* ``absorbed`` bfloat16: the serving execution under bfloat16 autocast (``--transfer-execution absorbed
+  --transfer-dtype bfloat16``): one fused SDPA, no [n, n] scores kept for the backward.
 
     python benchmarks/mla_transfer_step.py runs/mla-0.5 --layer 10 --json benchmarks/results/mla_transfer_step.json
+    python benchmarks/mla_transfer_step.py runs/mla-0.5 --layer 10 --blocks 1 --seq-len 4096 \
+        --json benchmarks/results/mla_transfer_step_L4096.json
 
 It prints the median step time of each and its ratio to the first; the weights are put back after every step.
 """
@@ -28,7 +32,7 @@ from common import machine_info
 from retrofitter.adapters import adapter_for
 from retrofitter.api import evaluation_blocks, load_model
 
-SETTINGS = (("absorbed", "float32"), ("decompressed", "float32"), ("decompressed", "bfloat16"))
+SETTINGS = (("absorbed", "float32"), ("decompressed", "float32"), ("decompressed", "bfloat16"), ("absorbed", "bfloat16"))
 
 
 def layer_inputs(model, layer_index: int, ids: torch.Tensor) -> dict:

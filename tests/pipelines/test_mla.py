@@ -90,20 +90,21 @@ def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padd
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
-def test_decompressed_gradients_equal_the_naive_ones(family):
-    """The training execution's gradients (every parameter the logits depend on) are the reference's, in float64."""
+@pytest.mark.parametrize("execution", ["decompressed", "absorbed"])
+def test_training_gradients_equal_the_naive_ones(family, execution):
+    """The transfer's executions' gradients (every parameter the logits depend on) are the reference's, in float64."""
     model = _converted(family, kv_ratio=0.25)
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     grads = {}
-    for execution in ("naive", "decompressed"):
-        _set_execution(model, execution)
+    for run in ("naive", execution):
+        _set_execution(model, run)
         model.zero_grad(set_to_none=True)
         model(ids).logits.pow(2).mean().backward()
-        grads[execution] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    assert any("k_up" in name for name in grads["naive"]) and grads["naive"].keys() == grads["decompressed"].keys()
+        grads[run] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert any("k_up" in name for name in grads["naive"]) and grads["naive"].keys() == grads[execution].keys()
     for name, grad in grads["naive"].items():
         # float64 sums of ~100 terms: rounding far below 1e-10 of gradients of order 1
-        torch.testing.assert_close(grads["decompressed"][name], grad, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(grads[execution][name], grad, rtol=1e-9, atol=1e-10)
 
 
 def test_an_unknown_execution_is_refused(random_ids):
@@ -236,11 +237,11 @@ def test_attention_macs_count_what_the_absorbed_kernel_computes():
     assert account(model, context=n).attention_macs_per_token * n * 2 == full
 
 
-@pytest.mark.parametrize("family", SUPPORTED)
-def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(family):
+@pytest.mark.parametrize("family, fit", [(family, "attention") for family in SUPPORTED] + [("llama", "uniform")])
+def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(family, fit):
     settings = dict(kv_ratio=0.5, rope_fraction=0.25, damping=1e-9, fit_blocks=4, fit_queries=16)
     fitted, plain = strong_tiny(family, dtype=torch.float64), strong_tiny(family, dtype=torch.float64)
-    _, report = convert_to_mla(fitted, MLAConfig(**settings), CALIBRATION, progress=False)
+    _, report = convert_to_mla(fitted, MLAConfig(**settings, unrotated_fit=fit), CALIBRATION, progress=False)
     _, plain_report = convert_to_mla(plain, MLAConfig(**settings, unrotated_fit="none"), CALIBRATION, progress=False)
     errors = [layer["unrotated_score_error"] for layer in report["layers"]]
     assert all(e["fitted"] <= e["identity"] * (1 + 1e-9) for e in errors)

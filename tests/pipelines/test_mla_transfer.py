@@ -32,25 +32,28 @@ def _convert(family, epochs, kv_ratio=0.25, **settings):
     return model, report
 
 
-@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
-def test_transfer_lowers_every_layers_output_error_and_reports_it(family, dtype):
-    step_dtypes = set()  # the output dtype of every training-step forward (the decompressed execution)
+@pytest.mark.parametrize("family, dtype, execution", [
+    ("llama", "float32", "decompressed"), ("qwen2", "float32", "decompressed"), ("llama", "bfloat16", "decompressed"),
+    ("llama", "float32", "absorbed"), ("llama", "bfloat16", "absorbed")])
+def test_transfer_lowers_every_layers_output_error_and_reports_it(family, dtype, execution):
+    steps = set()  # (execution, output dtype) of every training-step forward (the ones that record gradients)
 
     def record(module, args, output):
-        if isinstance(module, MLAAttention) and module.execution == "decompressed":
-            step_dtypes.add((output[0] if isinstance(output, tuple) else output).dtype)
+        if isinstance(module, MLAAttention) and torch.is_grad_enabled():
+            steps.add((module.execution, (output[0] if isinstance(output, tuple) else output).dtype))
 
     hook = torch.nn.modules.module.register_module_forward_hook(record)
     try:
-        model, report = _convert(family, epochs=20, transfer_lr=3e-3, transfer_dtype=dtype)
+        model, report = _convert(family, epochs=20, transfer_lr=3e-3, transfer_dtype=dtype,
+                                 transfer_execution=execution)
     finally:
         hook.remove()
-    assert step_dtypes == {getattr(torch, dtype)}
+    assert steps == {(execution, getattr(torch, dtype))}
     for layer in report["layers"]:
         transfer = layer["transfer"]
         assert transfer["steps"] == 20 * 3  # 6 blocks in pieces of 2
         assert transfer["kept"] and transfer["error_after"] < 0.9 * transfer["error_before"], transfer
-    for module in model.modules():  # trained in the decompressed execution, served in the absorbed one, float32
+    for module in model.modules():  # trained in the transfer's execution, served in the absorbed one, float32
         if isinstance(module, MLAAttention):
             assert module.execution == "absorbed"
             assert all(p.dtype == torch.float32 for p in module.parameters())
@@ -146,6 +149,8 @@ def test_transfer_settings_are_checked():
         MLAConfig(transfer_target="student")
     with pytest.raises(ValueError, match="transfer_dtype"):
         MLAConfig(transfer_dtype="float16")
+    with pytest.raises(ValueError, match="transfer_execution"):
+        MLAConfig(transfer_execution="naive")
     for bad in ({"transfer_epochs": -1}, {"transfer_batch": 0}, {"transfer_lr": 0.0}):
         with pytest.raises(ValueError, match="transfer"):
             MLAConfig(**bad)

@@ -16,6 +16,10 @@ unchanged, and ½ Var_p of the score error is the attention's KL to second order
 
     G vec M = g,   G = Σ_t Cov_{p_t}(φ, φ) [4, 4],   g = Σ_t Cov_{p_t}(φ, y) [4]
 
+With ``weighting="uniform"`` p_ts is 1/(t + 1) over every earlier key instead (``update``): M then reproduces the
+term's mean over distances 0 … t, which for a fast frequency averages out (M → 0) and for a slow one stays
+(M → I) — the fit for keys far away, where retrieval reads, rather than for the near keys the attention weighs.
+
 M = I is the conversion without the fit. The slot basis is chosen later (U_f mixes the kv heads, linalg/mla.py),
 so the sums are kept in the original basis, per query head i, frequency f and pair of kv heads (g1, g2):
 k'_s = Σ_g U_f[g, c] k_{g,f,s} and q' = U_f[group(i), c] q_{i,f}, and the statistics are bilinear in U_f[:, c]
@@ -31,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RotationFitStatistics", "slot_fit"]
+__all__ = ["FIT_WEIGHTINGS", "RotationFitStatistics", "slot_fit"]
+
+FIT_WEIGHTINGS = ("attention", "uniform")  # p_ts of the fit: the original attention, or every earlier key alike
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +77,14 @@ class RotationFitStatistics:
 
     @torch.no_grad()
     def update(self, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-               sliding_window: int | None = None, query_stride: int = 1) -> None:
+               sliding_window: int | None = None, query_stride: int = 1, weighting: str = "attention") -> None:
         """Add one batch: q [b, n, h, dh] and k [b, n, g, dh] before RoPE, at positions 0 … n − 1 (causal);
-        p = softmax(scaling · RoPE(q) · RoPE(k)ᵀ) per query head (keys within ``sliding_window`` if set).
+        p = softmax(scaling · RoPE(q) · RoPE(k)ᵀ) per query head (``weighting`` "attention"), or uniform over
+        the allowed keys ("uniform"); keys within ``sliding_window`` if set.
         ``query_stride``: only the queries at n − 1, n − 1 − stride, … are summed (every key is read); the
         cost, [F, g, n / stride, n] per head, is the fit's."""
+        if weighting not in FIT_WEIGHTINGS:
+            raise ValueError(f"fit weighting must be one of {FIT_WEIGHTINGS}, got {weighting!r}")
         b, n, h, dh = q.shape
         g, F = k.shape[2], dh // 2
         positions = torch.arange(n, device=q.device, dtype=torch.float64)
@@ -93,8 +102,11 @@ class RotationFitStatistics:
             kk = kk.permute(0, 3, 1, 2, 4, 5).reshape(n, -1)                         # [n, F·g·g·4]
             for i in range(h):
                 gi = i // (h // g)
-                scores = (qr[:, i].reshape(t, -1) @ kr[:, gi].reshape(n, -1).T) * scaling
-                p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)  # [t, s]
+                if weighting == "uniform":
+                    p = allowed.to(q.dtype) / allowed.sum(-1, keepdim=True).to(q.dtype)  # [t, s]
+                else:
+                    scores = (qr[:, i].reshape(t, -1) @ kr[:, gi].reshape(n, -1).T) * scaling
+                    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)  # [t, s]
                 k_mean = (p @ kp.permute(0, 2, 1, 3).reshape(n, -1)).view(t, -1, g, 2)  # [t, F, g, 2]
                 k_cov = ((p @ kk).view(t, -1, g, g, 2, 2)                            # Cov_p [t, F, g, g, 2, 2]
                          - k_mean[:, :, :, None, :, None] * k_mean[:, :, None, :, None, :])

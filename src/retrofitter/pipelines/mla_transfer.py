@@ -8,9 +8,11 @@ input norm) and targets y [b, n, d] (after ``o_proj``; below), Adam minimises
 
 over θ = q_proj, kv_a_proj, k_pe_proj, K_up, V_up and o_proj, ``epochs`` passes over the calibration blocks in a
 seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine decay to 0; the steps run the
-module's ``decompressed`` execution (modules/mla_attention.py), optionally under bfloat16 autocast (``dtype``: a step
-took 0.47× the float32 time on AMD EPYC with AVX512-BF16, for the same perplexity; benchmarks/mla_transfer_step.py,
-docs/results.md §13d; not measured on other hardware). E is measured on every
+module's ``decompressed`` execution (modules/mla_attention.py) or its ``absorbed`` one (``execution``: the same
+function, one fused SDPA over the shared key [c, k_pe] instead of materialised [n, n] scores; on 2 Intel Xeon threads
+in bfloat16 a step over one block of 2048 / 4096 tokens took 0.66× / 0.57× the decompressed step's time, over 4
+blocks of 512 1.26×), optionally under bfloat16 autocast (``dtype``: a decompressed step took 0.47× the float32 time on AMD
+EPYC with AVX512-BF16, for the same perplexity; benchmarks/mla_transfer_step.py, docs/results.md §13d). E is measured on every
 block before and after; if training did not lower it the closed-form weights are put back, so the transfer never
 leaves a layer worse on its calibration data (at the full budget the closed form is exact and stays so).
 
@@ -40,8 +42,9 @@ from torch import nn
 
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
 TRANSFER_DTYPES = ("float32", "bfloat16")
+TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a transfer step may run
 
-__all__ = ["TRANSFER_DTYPES", "TRANSFER_TARGETS", "AttentionBatch", "at_positions", "attention_batches",
+__all__ = ["TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch", "at_positions", "attention_batches",
            "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
@@ -171,14 +174,17 @@ def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> f
 
 
 def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
-                       batch_blocks: int, seed: int = 0, dtype: str = "float32") -> dict:
+                       batch_blocks: int, seed: int = 0, dtype: str = "float32",
+                       execution: str = "decompressed") -> dict:
     """Train every parameter of ``module`` (an ``MLAAttention``) to reproduce ``batches``' targets (module
     docstring); returns {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights
-    were kept). The steps run the module's ``decompressed`` execution, under autocast to ``dtype`` unless
+    were kept). The steps run the module's ``execution`` (``TRANSFER_EXECUTIONS``), under autocast to ``dtype`` unless
     "float32" (``TRANSFER_DTYPES``; the weights, Adam's state and the loss stay float32); the errors before and
     after are measured with its own execution in its own dtype."""
     if dtype not in TRANSFER_DTYPES:
         raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPES}, got {dtype!r}")
+    if execution not in TRANSFER_EXECUTIONS:
+        raise ValueError(f"transfer execution must be one of {TRANSFER_EXECUTIONS}, got {execution!r}")
     start = time.perf_counter()
     pieces = [piece for batch in batches for piece in batch.split(batch_blocks)]
     parameters = [p for p in module.parameters()]
@@ -193,7 +199,7 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     generator = torch.Generator().manual_seed(seed)
     steps, total = 0, epochs * len(pieces)
     flags = [p.requires_grad for p in parameters]
-    execution, module.execution = module.execution, "decompressed"
+    serving, module.execution = module.execution, execution
     autocast = torch.autocast(parameters[0].device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
     try:
         with torch.enable_grad():
@@ -213,7 +219,7 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
                     optimizer.step()
                     steps += 1
     finally:
-        module.execution = execution
+        module.execution = serving
         for p, flag in zip(parameters, flags):
             p.requires_grad_(flag)
     after = relative_output_error(module, batches)
