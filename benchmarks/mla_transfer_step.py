@@ -32,7 +32,8 @@ from common import machine_info
 from retrofitter.adapters import adapter_for
 from retrofitter.api import evaluation_blocks, load_model
 
-SETTINGS = (("absorbed", "float32"), ("decompressed", "float32"), ("decompressed", "bfloat16"), ("absorbed", "bfloat16"))
+SETTINGS = (("absorbed", "float32"), ("decompressed", "float32"), ("decompressed", "bfloat16"),
+            ("absorbed", "bfloat16"))
 
 
 def layer_inputs(model, layer_index: int, ids: torch.Tensor) -> dict:

@@ -82,7 +82,8 @@ class MLAConfig(JsonRoundTrip):
                                      "values per token, the [n, n] scores materialised) or absorbed (the serving "
                                      "execution, one fused SDPA over [c, k_pe]; the same function, faster on long "
                                      "blocks: 0.66x / 0.57x the decompressed step time at 2048 / 4096 tokens in "
-                                     "bfloat16 on 2 Intel Xeon threads, 1.26x on 4 blocks of 512)", choices=TRANSFER_EXECUTIONS)
+                                     "bfloat16 on 2 Intel Xeon threads, 1.26x on 4 blocks of 512)",
+                                     choices=TRANSFER_EXECUTIONS)
     transfer_target: str = option("residual", "what the transfer reproduces: residual (the original attention on "
                                   "the original model's stream plus the gap of the residual streams: the converted "
                                   "layer's residual lands on the original's), teacher (without the gap) or converted "

@@ -11,10 +11,11 @@ seeded order, ``batch_blocks`` blocks per step, learning rate ``lr`` with cosine
 module's ``decompressed`` execution (modules/mla_attention.py) or its ``absorbed`` one (``execution``: the same
 function, one fused SDPA over the shared key [c, k_pe] instead of materialised [n, n] scores; on 2 Intel Xeon threads
 in bfloat16 a step over one block of 2048 / 4096 tokens took 0.66× / 0.57× the decompressed step's time, over 4
-blocks of 512 1.26×), optionally under bfloat16 autocast (``dtype``: a decompressed step took 0.47× the float32 time on AMD
-EPYC with AVX512-BF16, for the same perplexity; benchmarks/mla_transfer_step.py, docs/results.md §13d). E is measured on every
-block before and after; if training did not lower it the closed-form weights are put back, so the transfer never
-leaves a layer worse on its calibration data (at the full budget the closed form is exact and stays so).
+blocks of 512 1.26×), optionally under bfloat16 autocast (``dtype``: a decompressed step took 0.47× the float32
+time on AMD EPYC with AVX512-BF16, for the same perplexity; benchmarks/mla_transfer_step.py, docs/results.md §13d).
+E is measured on every block before and after; if training did not lower it the closed-form weights are put back,
+so the transfer never leaves a layer worse on its calibration data (at the full budget the closed form is exact and
+stays so).
 
 The target y (``TRANSFER_TARGETS``): ``residual`` (the default) — the original attention on the original model's
 stream x_T plus the gap of the residual streams entering the layer, y = Attn_l(x_T) + h_T − h, so the converted
@@ -44,8 +45,8 @@ TRANSFER_TARGETS = ("residual", "teacher", "converted")
 TRANSFER_DTYPES = ("float32", "bfloat16")
 TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a transfer step may run
 
-__all__ = ["TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch", "at_positions", "attention_batches",
-           "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
+__all__ = ["TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch", "at_positions",
+           "attention_batches", "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
