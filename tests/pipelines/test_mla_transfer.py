@@ -282,6 +282,8 @@ def test_repeated_spans_calibrate_the_conversion_on_the_blocks_with_repeats(monk
     repeated, report = _convert("llama", epochs=1, repeat_share=0.5, repeat_span=8)
     monkeypatch.undo()
     with_repeats = with_repeated_spans(CALIBRATION, 0.5, 8)
+    # integer token ids (int64 on both sides, copied by indexing): torch.equal is exact on every CPU
+    assert with_repeats.dtype == torch.long
     assert seen and all(ids.dtype == torch.long and torch.equal(ids, with_repeats) for ids in seen)
     given = strong_tiny("llama", dtype=torch.float32)
     convert_to_mla(given, MLAConfig(kv_ratio=0.25, transfer_epochs=1, transfer_batch=2), with_repeats,

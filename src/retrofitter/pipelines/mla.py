@@ -76,8 +76,9 @@ class MLAConfig(JsonRoundTrip):
                                  "at KV 0.25x, 128 blocks: 36.74 against 43.16 wiki-eval perplexity; "
                                  "docs/results.md 13d)")
     transfer_dtype: str = option("float32", "autocast dtype of the attention-transfer steps: bfloat16 took 0.47x the "
-                                 "float32 step time on AMD EPYC with AVX512-BF16 for the same perplexity (not measured "
-                                 "elsewhere); weights and Adam stay float32", choices=TRANSFER_DTYPES)
+                                 "float32 step time on AMD EPYC with AVX512-BF16 for the same perplexity, 0.41x on "
+                                 "Intel Xeon with AMX (4 blocks of 512); weights and Adam stay float32",
+                                 choices=TRANSFER_DTYPES)
     transfer_execution: str = option("decompressed", "how a transfer step runs the attention: decompressed (keys and "
                                      "values per token, the [n, n] scores materialised) or absorbed (the serving "
                                      "execution, one fused SDPA over [c, k_pe]; the same function, faster on long "
