@@ -11,15 +11,17 @@ import functools
 import pytest
 import torch
 
-from retrofitter.adapters.mla_attention import attention_kwargs_at
+from retrofitter.adapters.mla_attention import attention_kwargs_at, attention_probabilities
 from retrofitter.adapters.registry import adapter_for
 from retrofitter.data.blocks import with_repeated_spans
 from retrofitter.modules.mla_attention import MLAAttention
 from retrofitter.pipelines import mla as mla_pipeline
 from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
-from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches,
-                                               relative_output_error, skipped_position_ids, teacher_targets)
+from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches, attention_kl,
+                                               kl_query_rows, mean_attention_kl, reference_weights_at_rows,
+                                               relative_output_error, skipped_position_ids, teacher_targets,
+                                               transfer_attention)
 from tiny_models import TINY_VOCAB, strong_tiny
 
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
@@ -301,3 +303,76 @@ def test_repeated_spans_calibrate_the_conversion_on_the_blocks_with_repeats(monk
     for bad in ({"repeat_share": -0.1}, {"repeat_share": 1.1}, {"repeat_span": 0}):
         with pytest.raises(ValueError, match="repeat"):
             MLAConfig(**bad)
+
+
+def test_kl_query_rows_are_every_fourth_ending_with_the_last():
+    assert kl_query_rows(10).tolist() == [1, 5, 9] and kl_query_rows(4).tolist() == [3]
+
+
+def test_attention_kl_is_the_kl_divergence_of_each_row():
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 3, 6, 6, generator=generator, dtype=torch.float64)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    p = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)  # masked entries exactly 0
+    q = torch.softmax(torch.randn(2, 3, 6, 6, generator=generator, dtype=torch.float64).masked_fill(
+        ~causal, float("-inf")), -1)
+    expected = sum(float((p[b, h, i, :i + 1] * (p[b, h, i, :i + 1] / q[b, h, i, :i + 1]).log()).sum())
+                   for b in range(2) for h in range(3) for i in range(6)) / (2 * 3 * 6)
+    # float32 inside (the loss's dtype): terms of order 1 rounded to 2^-24
+    assert float(attention_kl(p, q)) == pytest.approx(expected, rel=1e-5)
+    assert float(attention_kl(p, p)) == pytest.approx(0.0, abs=1e-6)
+    q_zero = q.clone()
+    q_zero[..., 0, 0] = 0.0  # an underflowed weight where the reference has mass: large and finite
+    assert torch.isfinite(attention_kl(p, q_zero)) and float(attention_kl(p, q_zero)) > expected
+
+
+def test_the_attention_kl_term_lowers_the_kl_and_is_recorded():
+    """--transfer-kl: every layer's recorded KL falls; layer 0's recomputed KL (both streams are the embeddings, so
+    the reference is the original attention on the same inputs) equals the record and lies below the KL of the run
+    trained on the output error alone."""
+    model, report = _convert("llama", epochs=20, transfer_kl=1.0)
+    plain, plain_report = _convert("llama", epochs=20)
+    assert all("kl_after" not in layer["transfer"] for layer in plain_report["layers"])
+    for layer in report["layers"]:
+        transfer = layer["transfer"]
+        assert transfer["kept"] and transfer["kl_after"] < transfer["kl_before"], transfer
+    original = strong_tiny("llama", dtype=torch.float32)
+    adapter = adapter_for(original)
+    first = adapter.decoder_layers(original)[0]
+    batches = attention_batches(first, first.self_attn, capture_stream(original, adapter, CALIBRATION, 8),
+                                adapter.cache_kwarg)
+    references = reference_weights_at_rows(batches, functools.partial(attention_probabilities, original,
+                                                                      first.self_attn))
+    assert references[0].shape == (6, 4, 8, 32)  # every 4th of the 32 queries, the last included
+    trained, untrained = (mean_attention_kl(m.model.layers[0].self_attn, batches, references) for m in (model, plain))
+    assert trained == pytest.approx(report["layers"][0]["transfer"]["kl_after"], rel=1e-4)
+    assert trained < untrained
+    assert model.model.layers[0].self_attn.execution == "absorbed"  # the measurement put the serving one back
+
+
+def test_teacher_targets_keep_the_teachers_inputs_as_the_reference_and_split_them():
+    model = strong_tiny("llama", dtype=torch.float32)
+    adapter = adapter_for(model)
+    layer = adapter.decoder_layers(model)[0]
+    stream = capture_stream(model, adapter, CALIBRATION, 8)
+    inputs = attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg, targets=False)
+    teacher = attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg)
+    batch = teacher_targets(inputs, teacher)[0]
+    assert batch.reference is teacher[0].kwargs and inputs[0].reference_kwargs is inputs[0].kwargs
+    pieces = batch.split(4)
+    assert [p.reference["hidden_states"].shape[0] for p in pieces] == [4, 2]
+    torch.testing.assert_close(pieces[1].reference["hidden_states"], teacher[0].kwargs["hidden_states"][4:],
+                               rtol=0, atol=0)
+
+
+def test_the_attention_kl_needs_the_decompressed_execution():
+    with pytest.raises(ValueError, match="transfer_kl"):
+        MLAConfig(transfer_kl=-1.0)
+    with pytest.raises(ValueError, match="decompressed"):
+        MLAConfig(transfer_kl=1.0, transfer_execution="absorbed")
+    module = torch.nn.Linear(2, 2)  # refused before any use of the module or the batches
+    with pytest.raises(ValueError, match="decompressed"):
+        transfer_attention(module, [], epochs=1, lr=1e-3, batch_blocks=1, kl_weight=1.0, execution="absorbed",
+                           reference_weights=lambda kwargs: None)
+    with pytest.raises(ValueError, match="reference_weights"):
+        transfer_attention(module, [], epochs=1, lr=1e-3, batch_blocks=1, kl_weight=1.0)

@@ -16,7 +16,8 @@ from .latent_attention import attention_resolver, eager_kernel
 from .latent_cache import latent_cache_layer
 from .registry import UnsupportedArchitectureError, adapter_for
 
-__all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_score_settings",
+__all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_probabilities",
+           "attention_score_settings",
            "empty_mla_attention", "mla_attention_from_factors", "mla_attention_spec", "rebuild_mla_attention"]
 
 CAPABILITY = "latent_attention"
@@ -64,6 +65,34 @@ def attention_kwargs_at(model: nn.Module, kwargs: dict, position_ids: torch.Tens
     if moved.get("position_ids") is not None:
         moved["position_ids"] = ids
     return moved
+
+
+@torch.no_grad()
+def attention_probabilities(model: nn.Module, attention: nn.Module, kwargs: dict) -> torch.Tensor:
+    """The softmax weights p [b, h, n, N] of HF ``attention`` called with ``kwargs`` (as the decoder layer passes
+    them): run through the family's eager kernel, the one that returns them, with the layer's causal (and
+    sliding-window) mask written out when the call carries none (sdpa's is_causal path), so every masked entry is
+    exactly 0. The model's attention setting is put back afterwards."""
+    kwargs = dict(kwargs)
+    if kwargs.get("attention_mask") is None:
+        hidden = kwargs["hidden_states"]
+        n = hidden.shape[1]
+        allowed = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
+        window = adapter_for(model).sliding_window(attention)
+        if window:  # HF's sliding mask: key j is seen from query i when i - window < j <= i
+            allowed &= ~torch.ones_like(allowed).tril(-window)
+        lowest = torch.finfo(hidden.dtype).min
+        kwargs["attention_mask"] = torch.zeros(n, n, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~allowed, lowest)[None, None]                                        # additive [1, 1, n, n]
+    config = attention.config
+    setting, config._attn_implementation = config._attn_implementation, "eager"
+    try:
+        weights = attention(**kwargs)[1]
+    finally:
+        config._attn_implementation = setting
+    if weights is None:
+        raise ValueError(f"{type(attention).__name__} returned no attention weights from its eager kernel")
+    return weights
 
 
 def attention_score_settings(model: nn.Module, attention: nn.Module) -> tuple[float, int | None]:

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..adapters.mla_attention import (attention_kwargs_at, attention_score_settings, check_mla_supported,
-                                      mla_attention_from_factors, model_inv_freq, rebuild_mla_attention)
+from ..adapters.mla_attention import (attention_kwargs_at, attention_probabilities, attention_score_settings,
+                                      check_mla_supported, mla_attention_from_factors, model_inv_freq,
+                                      rebuild_mla_attention)
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
 from ..data.blocks import with_repeated_spans
@@ -85,6 +86,11 @@ class MLAConfig(JsonRoundTrip):
                                      "blocks: 0.66x / 0.57x the decompressed step time at 2048 / 4096 tokens in "
                                      "bfloat16 on 2 Intel Xeon threads, 1.26x on 4 blocks of 512)",
                                      choices=TRANSFER_EXECUTIONS)
+    transfer_kl: float = option(0.0, "weight of the attention-weights term of the transfer loss: each step also "
+                                "lowers KL(original attention weights || MLA's), mean over heads and every 4th "
+                                "query in nats (on the teacher's inputs), times this; it pays for attending to the wrong one "
+                                "of two similar tokens, which the output error barely sees. Needs "
+                                "--transfer-execution decompressed; 0: the output error alone")
     transfer_target: str = option("residual", "what the transfer reproduces: residual (the original attention on "
                                   "the original model's stream plus the gap of the residual streams: the converted "
                                   "layer's residual lands on the original's), teacher (without the gap) or converted "
@@ -123,6 +129,10 @@ class MLAConfig(JsonRoundTrip):
         if self.transfer_epochs < 0 or self.transfer_batch < 1 or self.transfer_lr <= 0:
             raise ValueError(f"transfer_epochs must be >= 0, transfer_batch >= 1 and transfer_lr > 0; got "
                              f"{self.transfer_epochs}, {self.transfer_batch}, {self.transfer_lr}")
+        if self.transfer_kl < 0 or (self.transfer_kl and self.transfer_execution != "decompressed"):
+            raise ValueError(f"transfer_kl (--transfer-kl) must be >= 0 and, when > 0, run with --transfer-execution "
+                             f"decompressed (the absorbed kernel returns no attention weights); got "
+                             f"{self.transfer_kl} with {self.transfer_execution!r}")
         if self.transfer_context < 0:
             raise ValueError(f"transfer_context must be >= 0 (0: no skipped positions), got {self.transfer_context}")
         if not 0.0 <= self.repeat_share <= 1.0 or self.repeat_span < 1:
@@ -326,11 +336,13 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         batches = _transfer_batches(config, model, index, adapter, streams) if config.transfer_epochs else None
         if "teacher_stream" in streams:  # through the original layer, before its attention is replaced
             streams["teacher_stream"] = streams["teacher_stream"].advance(layer)
-        module = mla_attention_from_factors(adapter.attention(layer), model, factors)
+        original = adapter.attention(layer)
+        module = mla_attention_from_factors(original, model, factors)
         adapter.set_attention(layer, module)
         transfer = (transfer_attention(module, batches, epochs=config.transfer_epochs, lr=config.transfer_lr,
                                        batch_blocks=config.transfer_batch, seed=index, dtype=config.transfer_dtype,
-                                       execution=config.transfer_execution)
+                                       execution=config.transfer_execution, kl_weight=config.transfer_kl,
+                                       reference_weights=functools.partial(attention_probabilities, model, original))
                     if batches is not None else None)
         del batches
         streams["stream"] = stream.advance(layer)

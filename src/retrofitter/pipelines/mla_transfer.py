@@ -17,6 +17,11 @@ E is measured on every block before and after; if training did not lower it the 
 so the transfer never leaves a layer worse on its calibration data (at the full budget the closed form is exact and
 stays so).
 
+With ``kl_weight`` λ > 0 (``--transfer-kl``) the loss is E + λ·KL: KL(p ‖ p̂), the original attention's weights p
+on the target's inputs against the module's p̂, mean over heads and every ``KL_QUERY_STRIDE``-th query, in nats
+(``attention_kl``). The output error pays little for a query that reads the wrong one of two tokens with similar
+values; the KL pays for it, and retrieval (finding the one earlier token that matters) is made of that.
+
 The target y (``TRANSFER_TARGETS``): ``residual`` (the default) — the original attention on the original model's
 stream x_T plus the gap of the residual streams entering the layer, y = Attn_l(x_T) + h_T − h, so the converted
 layer's residual after attention lands on the original's; ``teacher`` — Attn_l(x_T) alone (each layer makes up
@@ -44,9 +49,11 @@ from torch import nn
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
 TRANSFER_DTYPES = ("float32", "bfloat16")
 TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a transfer step may run
+KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
-__all__ = ["TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch", "at_positions",
-           "attention_batches", "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
+__all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
+           "at_positions", "attention_batches", "attention_kl", "kl_query_rows", "mean_attention_kl",
+           "reference_weights_at_rows", "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -55,17 +62,26 @@ class _AttentionCalled(Exception):
 
 class AttentionBatch:
     """One block of the stream as the attention saw it: its keyword arguments (``hidden_states`` [b, n, d],
-    rotary tables, mask, …) and the output to learn, ``target`` [b, n, d] (the original attention's on these inputs,
-    or ``teacher_targets``')."""
+    rotary tables, mask, …), the output to learn, ``target`` [b, n, d] (the original attention's on these inputs,
+    or ``teacher_targets``'), and ``reference``: the keyword arguments on which the original attention gave the
+    target (the teacher's inputs; None: ``kwargs`` themselves), whose attention weights ``attention_kl`` reads."""
 
-    def __init__(self, kwargs: dict, target: torch.Tensor | None):
-        self.kwargs, self.target = kwargs, target
+    def __init__(self, kwargs: dict, target: torch.Tensor | None, reference: dict | None = None):
+        self.kwargs, self.target, self.reference = kwargs, target, reference
+
+    @property
+    def reference_kwargs(self) -> dict:
+        return self.kwargs if self.reference is None else self.reference
 
     def split(self, blocks: int) -> list["AttentionBatch"]:
         """Pieces of at most ``blocks`` rows; every batch-shaped tensor (first dim b) is cut alike."""
         b = self.target.shape[0]
-        return [AttentionBatch({k: _rows(v, b, s, s + blocks) for k, v in self.kwargs.items()},
-                               self.target[s:s + blocks]) for s in range(0, b, blocks)]
+
+        def cut(kwargs, s):
+            return None if kwargs is None else {k: _rows(v, b, s, s + blocks) for k, v in kwargs.items()}
+
+        return [AttentionBatch(cut(self.kwargs, s), self.target[s:s + blocks], cut(self.reference, s))
+                for s in range(0, b, blocks)]
 
 
 def _rows(value, batch: int, start: int, stop: int):
@@ -126,7 +142,7 @@ def teacher_targets(batches: list[AttentionBatch], teacher: list[AttentionBatch]
         raise ValueError("teacher targets: the streams hold different numbers of batches")
     targets = [t.target if residual_gaps is None else t.target + residual_gaps[i].to(t.target)
                for i, t in enumerate(teacher)]
-    return [AttentionBatch(b.kwargs, y) for b, y in zip(batches, targets)]
+    return [AttentionBatch(b.kwargs, y, t.kwargs) for b, y, t in zip(batches, targets, teacher)]
 
 
 def skipped_position_ids(rows: int, length: int, context: int, generator: torch.Generator) -> torch.Tensor:
@@ -154,13 +170,54 @@ def at_positions(batches: list[AttentionBatch], position_ids: list[torch.Tensor]
     for batch, ids in zip(batches, position_ids):
         kwargs = with_positions(batch.kwargs, ids)
         target = batch.target if attention is None else _output(attention, AttentionBatch(kwargs, None)).detach()
-        moved.append(AttentionBatch(kwargs, target))
+        reference = None if batch.reference is None else with_positions(batch.reference, ids)
+        moved.append(AttentionBatch(kwargs, target, reference))
     return moved
 
 
 def _output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
     out = module(**batch.kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def attention_kl(reference: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean over batch rows, heads and queries of KL(p ‖ p̂) = Σ_j p_j (log p_j − log p̂_j), in nats: ``reference``
+    p and ``weights`` p̂ [b, h, n, N] (softmax rows). Entries where p = 0 (masked) add nothing; p̂ is floored at the
+    smallest normal float32 (a bfloat16 softmax underflows to 0 where float32's would not)."""
+    p, q = reference.float(), weights.float().clamp_min(torch.finfo(torch.float32).tiny)
+    return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1).mean()
+
+
+def kl_query_rows(length: int) -> torch.Tensor:
+    """The queries whose attention weights the KL term reads in a block of ``length``: every
+    ``KL_QUERY_STRIDE``-th, the last included (a quarter of the [n, N] weights: the term's cost, and the memory
+    of the original's weights kept per block, fall 4-fold)."""
+    return torch.arange(length - 1, -1, -KL_QUERY_STRIDE).flip(0)
+
+
+@torch.no_grad()
+def reference_weights_at_rows(batches: list[AttentionBatch],
+                              reference_weights: Callable[[dict], torch.Tensor]) -> list[torch.Tensor]:
+    """Per batch the original attention's weights [b, h, n', N] on its reference inputs at ``kl_query_rows``."""
+    rows = [kl_query_rows(batch.target.shape[1]) for batch in batches]
+    return [reference_weights(batch.reference_kwargs)[:, :, r] for batch, r in zip(batches, rows)]
+
+
+@torch.no_grad()
+def mean_attention_kl(module: nn.Module, batches: list[AttentionBatch], references: list[torch.Tensor]) -> float:
+    """``attention_kl`` of ``module``'s attention weights (its decompressed execution) at ``kl_query_rows`` against
+    ``references`` (``reference_weights_at_rows``), averaged over ``batches`` weighted by their rows."""
+    serving, module.execution = module.execution, "decompressed"
+    try:
+        total = count = 0.0
+        for batch, reference in zip(batches, references):
+            weights = module(**batch.kwargs)[1][:, :, kl_query_rows(batch.target.shape[1])]
+            rows = reference.shape[0] * reference.shape[2]
+            total += float(attention_kl(reference, weights)) * rows
+            count += rows
+    finally:
+        module.execution = serving
+    return total / max(count, 1.0)
 
 
 @torch.no_grad()
@@ -175,17 +232,30 @@ def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> f
 
 
 def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
-                       batch_blocks: int, seed: int = 0, dtype: str = "float32",
-                       execution: str = "decompressed") -> dict:
+                       batch_blocks: int, seed: int = 0, dtype: str = "float32", execution: str = "decompressed",
+                       kl_weight: float = 0.0,
+                       reference_weights: Callable[[dict], torch.Tensor] | None = None) -> dict:
     """Train every parameter of ``module`` (an ``MLAAttention``) to reproduce ``batches``' targets (module
     docstring); returns {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights
     were kept). The steps run the module's ``execution`` (``TRANSFER_EXECUTIONS``), under autocast to ``dtype`` unless
     "float32" (``TRANSFER_DTYPES``; the weights, Adam's state and the loss stay float32); the errors before and
-    after are measured with its own execution in its own dtype."""
+    after are measured with its own execution in its own dtype.
+
+    With ``kl_weight`` λ > 0 each step also matches the attention weights: the loss is E + λ·KL, KL =
+    ``attention_kl`` of the original attention's weights on the batch's reference inputs,
+    ``reference_weights(batch.reference_kwargs)`` [b, h, n, N] (adapters.mla_attention.attention_probabilities),
+    against the module's (the decompressed execution returns them; the absorbed one does not), both at
+    ``kl_query_rows``. The original's weights are computed once per piece and kept (float32, h·n/4·N numbers per
+    block) for every epoch. Output error pays little for attending to the wrong one of two similar tokens; KL
+    pays for it, and retrieval is made of that. The record then also holds "kl_before" / "kl_after", and the
+    trained weights are kept when E + λ·KL fell."""
     if dtype not in TRANSFER_DTYPES:
         raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPES}, got {dtype!r}")
     if execution not in TRANSFER_EXECUTIONS:
         raise ValueError(f"transfer execution must be one of {TRANSFER_EXECUTIONS}, got {execution!r}")
+    if kl_weight < 0 or (kl_weight and (reference_weights is None or execution != "decompressed")):
+        raise ValueError(f"an attention-KL weight ({kl_weight}) must be >= 0, and when > 0 needs the original's "
+                         f"weights (reference_weights) and the decompressed execution (got {execution!r})")
     start = time.perf_counter()
     pieces = [piece for batch in batches for piece in batch.split(batch_blocks)]
     parameters = [p for p in module.parameters()]
@@ -193,6 +263,8 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     was_training = module.training
     module.train()
     before = relative_output_error(module, batches)
+    references = reference_weights_at_rows(pieces, reference_weights) if kl_weight else []
+    kl_before = mean_attention_kl(module, pieces, references) if kl_weight else 0.0
     energy = sum(float(batch.target.double().pow(2).sum()) for batch in batches)
     tokens = sum(batch.target.shape[0] * batch.target.shape[1] for batch in batches)
     scale = tokens / max(energy, 1e-300)  # the loss is O(1): squared error over the mean squared target
@@ -212,9 +284,12 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
                     for group in optimizer.param_groups:
                         group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * steps / total))
                     with autocast:
-                        out = _output(module, piece)
+                        out, weights = module(**piece.kwargs)[:2]
                     n = piece.target.shape[0] * piece.target.shape[1]
                     loss = (out.float() - piece.target.float()).pow(2).sum() * (scale / n)
+                    if kl_weight:
+                        rows = kl_query_rows(piece.target.shape[1])
+                        loss = loss + kl_weight * attention_kl(references[index], weights[:, :, rows])
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
@@ -224,11 +299,14 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
         for p, flag in zip(parameters, flags):
             p.requires_grad_(flag)
     after = relative_output_error(module, batches)
-    kept = after < before
+    kl_after = mean_attention_kl(module, pieces, references) if kl_weight else 0.0
+    kept = after + kl_weight * kl_after < before + kl_weight * kl_before
     if not kept:
         with torch.no_grad():
             for p, value in zip(parameters, initial):
                 p.copy_(value)
     module.train(was_training)
-    return {"error_before": before, "error_after": after if kept else before, "steps": steps, "kept": kept,
-            "seconds": time.perf_counter() - start}
+    record = {"error_before": before, "error_after": after if kept else before, "steps": steps, "kept": kept}
+    if kl_weight:
+        record.update(kl_before=kl_before, kl_after=kl_after if kept else kl_before)
+    return dict(record, seconds=time.perf_counter() - start)
