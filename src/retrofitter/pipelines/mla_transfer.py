@@ -53,7 +53,8 @@ KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl
 
 __all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
            "at_positions", "attention_batches", "attention_kl", "kl_query_rows", "mean_attention_kl",
-           "reference_weights_at_rows", "relative_output_error", "skipped_position_ids", "teacher_targets", "transfer_attention"]
+           "reference_weights_at_rows", "relative_output_error", "skipped_position_ids", "teacher_targets",
+           "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
