@@ -158,11 +158,12 @@ def test_transfer_settings_are_checked():
             MLAConfig(**bad)
 
 
-@pytest.mark.parametrize("target", ["converted", "residual"])
-def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypatch, target):
+@pytest.mark.parametrize("target, mlp_lr", [("converted", 0.0), ("residual", 0.0), ("residual", 1e-3)])
+def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypatch, target, mlp_lr):
     import retrofitter.pipelines.mla as mla_pipeline
 
-    config = MLAConfig(kv_ratio=0.25, transfer_epochs=2, transfer_batch=2, transfer_target=target)
+    config = MLAConfig(kv_ratio=0.25, transfer_epochs=2, transfer_batch=2, transfer_target=target,
+                       mlp_transfer_lr=mlp_lr)
     reference = strong_tiny("llama", dtype=torch.float32)
     _, expected_report = convert_to_mla(reference, config, CALIBRATION, progress=False)
     build, calls = mla_pipeline.mla_attention_from_factors, []

@@ -34,13 +34,15 @@ from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import restore_streams, save_layer_progress
 from .mla_transfer import (TRANSFER_DTYPES, TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_positions, attention_batches,
-                           skipped_position_ids, teacher_targets, transfer_attention)
+                           residual_norm_weights, skipped_position_ids, teacher_targets, transfer_attention)
+from .mlp_transfer import layer_batches, transfer_mlp
 from .resume import RunDirectory, layer_run_fingerprint
 
 UNROTATED_FITS = ("attention", "uniform", "none")
+TRANSFER_WEIGHTINGS = ("uniform", "residual-norm")  # MLAConfig.transfer_weighting
 
-__all__ = ["UNROTATED_FITS", "MLA_PRESETS", "MLAConfig", "convert_to_mla", "rotation_fit_statistics",
-           "shared_progression_step"]
+__all__ = ["TRANSFER_WEIGHTINGS", "UNROTATED_FITS", "MLA_PRESETS", "MLAConfig", "convert_to_mla",
+           "rotation_fit_statistics", "shared_progression_step"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,15 @@ class MLAConfig(JsonRoundTrip):
                                 "recalling as many passkeys (with --repeat-share 0.5: 8 of 12 at 2048 instead of "
                                 "4); on 32 blocks of 2048 it recalls fewer (8/6/0/0 of 12 at 512-4096 against "
                                 "12/12/8/3; docs/results.md 13d); 0: the output error alone")
+    transfer_weighting: str = option("uniform", "how the attention transfer weighs each token's squared error: "
+                                     "uniform, or residual-norm (divided by the squared norm of the residual stream "
+                                     "entering the layer at that token, the scale its RMSNorm divides out, so a "
+                                     "token with massive activations does not outweigh the rest)",
+                                     choices=TRANSFER_WEIGHTINGS)
+    mlp_transfer_lr: float = option(0.0, "after each layer's attention transfer, also train the layer's MLP (Adam, "
+                                    "this peak learning rate, the transfer's epochs, blocks per step and dtype) to "
+                                    "land the layer's output on the original model's stream leaving the layer "
+                                    "(pipelines/mlp_transfer.py); 0: the MLP stays the original's")
     transfer_target: str = option("residual", "what the transfer reproduces: residual (the original attention on "
                                   "the original model's stream plus the gap of the residual streams: the converted "
                                   "layer's residual lands on the original's), teacher (without the gap) or converted "
@@ -136,6 +147,13 @@ class MLAConfig(JsonRoundTrip):
             raise ValueError(f"transfer_kl (--transfer-kl) must be >= 0 and, when > 0, run with --transfer-execution "
                              f"decompressed (the absorbed kernel returns no attention weights); got "
                              f"{self.transfer_kl} with {self.transfer_execution!r}")
+        if self.mlp_transfer_lr < 0 or (self.mlp_transfer_lr and not self.transfer_epochs):
+            raise ValueError(f"mlp_transfer_lr (--mlp-transfer-lr) must be >= 0 and, when > 0, run with "
+                             f"--transfer-epochs >= 1 (its epochs); got {self.mlp_transfer_lr} with "
+                             f"{self.transfer_epochs} epochs")
+        if self.transfer_weighting not in TRANSFER_WEIGHTINGS:
+            raise ValueError(f"transfer_weighting must be one of {TRANSFER_WEIGHTINGS}, got "
+                             f"{self.transfer_weighting!r}")
         if self.transfer_context < 0:
             raise ValueError(f"transfer_context must be >= 0 (0: no skipped positions), got {self.transfer_context}")
         if not 0.0 <= self.repeat_share <= 1.0 or self.repeat_span < 1:
@@ -260,11 +278,11 @@ def _transfer_batches(config: MLAConfig, model: nn.Module, index: int, adapter, 
         move = functools.partial(attention_kwargs_at, model)
         batches = at_positions(batches, ids, move, attention if converted else None)
         teacher = None if converted else at_positions(teacher, ids, move, attention)
-    if converted:
-        return batches
-    gaps = ([h_t - h for h_t, h in zip(streams["teacher_stream"].hidden, stream.hidden)]
-            if config.transfer_target == "residual" else None)
-    return teacher_targets(batches, teacher, gaps)
+    if not converted:
+        gaps = ([h_t - h for h_t, h in zip(streams["teacher_stream"].hidden, stream.hidden)]
+                if config.transfer_target == "residual" else None)
+        batches = teacher_targets(batches, teacher, gaps)
+    return residual_norm_weights(batches, stream.hidden) if config.transfer_weighting == "residual-norm" else batches
 
 
 @torch.no_grad()
@@ -312,7 +330,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         step = config.rope_step or shared_progression_step(model, config, calibration, rope_dim // 2, progress)
     stream = capture_stream(model, adapter, calibration, config.batch_size)
     streams = {"stream": stream}  # with teacher targets also the original model's stream, advanced alongside
-    if config.transfer_epochs and config.transfer_target != "converted":
+    if config.transfer_epochs and (config.transfer_target != "converted" or config.mlp_transfer_lr):
         streams["teacher_stream"] = stream
     reports, done = [], 0
     if state is not None:
@@ -348,12 +366,16 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                                        reference_weights=functools.partial(attention_probabilities, model, original))
                     if batches is not None else None)
         del batches
+        mlp = (transfer_mlp(layer, adapter.mlp(layer), layer_batches(stream, streams["teacher_stream"]),
+                            epochs=config.transfer_epochs, lr=config.mlp_transfer_lr,
+                            batch_blocks=config.transfer_batch, seed=index, dtype=config.transfer_dtype)
+               if config.mlp_transfer_lr else None)
         streams["stream"] = stream.advance(layer)
         reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
                         "unrotated_score_error": (None if factors.fit_errors is None else
                                                   {"identity": factors.fit_errors[0], "fitted": factors.fit_errors[1]}),
-                        "transfer": transfer, "spec": module.spec(), "rope_step": step,
+                        "transfer": transfer, "mlp_transfer": mlp, "spec": module.spec(), "rope_step": step,
                         "seconds": time.perf_counter() - t0})
         log.info("layer %d: MLA r=%d, rope %d, frequencies %s, transfer %s", index, module.kv_rank, module.rope_dim,
                  module.freq_index.tolist(), transfer)

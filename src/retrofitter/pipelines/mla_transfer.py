@@ -52,9 +52,9 @@ TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a 
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
 __all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
-           "at_positions", "attention_batches", "attention_kl", "kl_query_rows", "mean_attention_kl",
-           "reference_weights_at_rows", "relative_output_error", "skipped_position_ids", "teacher_targets",
-           "transfer_attention"]
+           "adam_epochs", "at_positions", "attention_batches", "attention_kl", "kl_query_rows", "mean_attention_kl",
+           "reference_weights_at_rows", "relative_output_error", "residual_norm_weights", "skipped_position_ids",
+           "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -64,11 +64,13 @@ class _AttentionCalled(Exception):
 class AttentionBatch:
     """One block of the stream as the attention saw it: its keyword arguments (``hidden_states`` [b, n, d],
     rotary tables, mask, …), the output to learn, ``target`` [b, n, d] (the original attention's on these inputs,
-    or ``teacher_targets``'), and ``reference``: the keyword arguments on which the original attention gave the
-    target (the teacher's inputs; None: ``kwargs`` themselves), whose attention weights ``attention_kl`` reads."""
+    or ``teacher_targets``'), ``reference``: the keyword arguments on which the original attention gave the
+    target (the teacher's inputs; None: ``kwargs`` themselves), whose attention weights ``attention_kl`` reads, and
+    ``token_weights`` [b, n] w_t of each token's squared error (``residual_norm_weights``; None: 1)."""
 
-    def __init__(self, kwargs: dict, target: torch.Tensor | None, reference: dict | None = None):
-        self.kwargs, self.target, self.reference = kwargs, target, reference
+    def __init__(self, kwargs: dict, target: torch.Tensor | None, reference: dict | None = None,
+                 token_weights: torch.Tensor | None = None):
+        self.kwargs, self.target, self.reference, self.token_weights = kwargs, target, reference, token_weights
 
     @property
     def reference_kwargs(self) -> dict:
@@ -81,8 +83,18 @@ class AttentionBatch:
         def cut(kwargs, s):
             return None if kwargs is None else {k: _rows(v, b, s, s + blocks) for k, v in kwargs.items()}
 
-        return [AttentionBatch(cut(self.kwargs, s), self.target[s:s + blocks], cut(self.reference, s))
-                for s in range(0, b, blocks)]
+        weights = self.token_weights
+        return [AttentionBatch(cut(self.kwargs, s), self.target[s:s + blocks], cut(self.reference, s),
+                               None if weights is None else weights[s:s + blocks]) for s in range(0, b, blocks)]
+
+    def squared_error(self, output: torch.Tensor) -> torch.Tensor:
+        """Σ_t w_t ‖output_t − target_t‖² over the batch's tokens, in ``output``'s dtype."""
+        return self.weighted_energy(output - self.target.to(output.dtype))
+
+    def weighted_energy(self, values: torch.Tensor) -> torch.Tensor:
+        """Σ_t w_t ‖values_t‖² for ``values`` [b, n, d]."""
+        energy = values.pow(2).sum(-1)
+        return (energy if self.token_weights is None else energy * self.token_weights.to(energy.dtype)).sum()
 
 
 def _rows(value, batch: int, start: int, stop: int):
@@ -143,7 +155,18 @@ def teacher_targets(batches: list[AttentionBatch], teacher: list[AttentionBatch]
         raise ValueError("teacher targets: the streams hold different numbers of batches")
     targets = [t.target if residual_gaps is None else t.target + residual_gaps[i].to(t.target)
                for i, t in enumerate(teacher)]
-    return [AttentionBatch(b.kwargs, y, t.kwargs) for b, y, t in zip(batches, targets, teacher)]
+    return [AttentionBatch(b.kwargs, y, t.kwargs, b.token_weights) for b, y, t in zip(batches, targets, teacher)]
+
+
+def residual_norm_weights(batches: list[AttentionBatch], hidden: list[torch.Tensor]) -> list[AttentionBatch]:
+    """``batches`` with token weights w_t = 1 / ‖h_t‖² (``hidden``: per batch the residual stream h [b, n, d]
+    entering the layer): each token's error then counts relative to the stream it lands on, the scale the next
+    RMSNorm divides out. Without them a token with massive activations outweighs the rest (SmolLM2-135M's first
+    token holds 95 % of the middle layers' squared norm)."""
+    if len(batches) != len(hidden):
+        raise ValueError(f"{len(batches)} batches but {len(hidden)} hidden-state tensors")
+    return [AttentionBatch(b.kwargs, b.target, b.reference,
+                           1.0 / h.double().pow(2).sum(-1).clamp_min(1e-300).float()) for b, h in zip(batches, hidden)]
 
 
 def skipped_position_ids(rows: int, length: int, context: int, generator: torch.Generator) -> torch.Tensor:
@@ -172,7 +195,7 @@ def at_positions(batches: list[AttentionBatch], position_ids: list[torch.Tensor]
         kwargs = with_positions(batch.kwargs, ids)
         target = batch.target if attention is None else _output(attention, AttentionBatch(kwargs, None)).detach()
         reference = None if batch.reference is None else with_positions(batch.reference, ids)
-        moved.append(AttentionBatch(kwargs, target, reference))
+        moved.append(AttentionBatch(kwargs, target, reference, batch.token_weights))
     return moved
 
 
@@ -223,13 +246,33 @@ def mean_attention_kl(module: nn.Module, batches: list[AttentionBatch], referenc
 
 @torch.no_grad()
 def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> float:
-    """Σ‖module(x) − y‖² / Σ‖y‖² over ``batches`` (float64 sums)."""
+    """Σ_t w_t ‖module(x)_t − y_t‖² / Σ_t w_t ‖y_t‖² over ``batches``' tokens (w: their token weights, else 1;
+    float64 sums)."""
     error = energy = 0.0
     for batch in batches:
-        target = batch.target.double()
-        error += float((_output(module, batch).double() - target).pow(2).sum())
-        energy += float(target.pow(2).sum())
+        error += float(batch.squared_error(_output(module, batch).double()))
+        energy += float(batch.weighted_energy(batch.target.double()))
     return error / max(energy, 1e-300)
+
+
+def adam_epochs(parameters: list[nn.Parameter], pieces: list[AttentionBatch],
+                step_loss: Callable[[int, AttentionBatch], torch.Tensor], *, epochs: int, lr: float, seed: int) -> int:
+    """Adam on ``parameters``: ``epochs`` passes over ``pieces`` in a seeded order, one step per piece on
+    ``step_loss(index, piece)``, learning rate ``lr`` with cosine decay to 0. Returns the number of steps."""
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    steps, total = 0, epochs * len(pieces)
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for index in torch.randperm(len(pieces), generator=generator).tolist():
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * steps / total))
+                loss = step_loss(index, pieces[index])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                steps += 1
+    return steps
 
 
 def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
@@ -266,35 +309,27 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     before = relative_output_error(module, batches)
     references = reference_weights_at_rows(pieces, reference_weights) if kl_weight else []
     kl_before = mean_attention_kl(module, pieces, references) if kl_weight else 0.0
-    energy = sum(float(batch.target.double().pow(2).sum()) for batch in batches)
+    energy = sum(float(batch.weighted_energy(batch.target.double())) for batch in batches)
     tokens = sum(batch.target.shape[0] * batch.target.shape[1] for batch in batches)
     scale = tokens / max(energy, 1e-300)  # the loss is O(1): squared error over the mean squared target
-    optimizer = torch.optim.Adam(parameters, lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    steps, total = 0, epochs * len(pieces)
     flags = [p.requires_grad for p in parameters]
     serving, module.execution = module.execution, execution
     autocast = torch.autocast(parameters[0].device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+
+    def step_loss(index: int, piece: AttentionBatch) -> torch.Tensor:
+        with autocast:
+            out, weights = module(**piece.kwargs)[:2]
+        n = piece.target.shape[0] * piece.target.shape[1]
+        loss = piece.squared_error(out.float()) * (scale / n)
+        if kl_weight:
+            rows = kl_query_rows(piece.target.shape[1])
+            loss = loss + kl_weight * attention_kl(references[index], weights[:, :, rows])
+        return loss
+
     try:
-        with torch.enable_grad():
-            for p in parameters:
-                p.requires_grad_(True)
-            for _ in range(epochs):
-                for index in torch.randperm(len(pieces), generator=generator).tolist():
-                    piece = pieces[index]
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * steps / total))
-                    with autocast:
-                        out, weights = module(**piece.kwargs)[:2]
-                    n = piece.target.shape[0] * piece.target.shape[1]
-                    loss = (out.float() - piece.target.float()).pow(2).sum() * (scale / n)
-                    if kl_weight:
-                        rows = kl_query_rows(piece.target.shape[1])
-                        loss = loss + kl_weight * attention_kl(references[index], weights[:, :, rows])
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    steps += 1
+        for p in parameters:
+            p.requires_grad_(True)
+        steps = adam_epochs(parameters, pieces, step_loss, epochs=epochs, lr=lr, seed=seed)
     finally:
         module.execution = serving
         for p, flag in zip(parameters, flags):
