@@ -35,7 +35,7 @@ def test_residual_norm_weights_make_the_error_relative_to_each_tokens_stream():
     noisy = torch.nn.Linear(1, 1)  # any module: here the attention with its output moved by a known amount
     generator = torch.Generator().manual_seed(3)
     shifts = [torch.randn(b.target.shape, generator=generator, dtype=torch.float64) for b in batches]
-    outputs = iter([b.target.double() + s for b, s in zip(batches, shifts)] * 2)
+    outputs = iter([b.target.double() + s for b, s in zip(batches, shifts)] * 2)  # read twice: weighted, plain
     noisy.forward = lambda **kwargs: next(outputs)
     error = relative_output_error(noisy, weighted)
     numerator = sum(float((s.pow(2).sum(-1) / h.double().pow(2).sum(-1)).sum()) for s, h in zip(shifts, stream.hidden))

@@ -95,8 +95,8 @@ class MLAConfig(JsonRoundTrip):
                                 "lowers wiki-eval perplexity on 128 blocks of 512 (22.19 against 22.86), "
                                 "recalling as many passkeys (with --repeat-share 0.5: 8 of 12 at 2048 instead of "
                                 "4); on 32 blocks of 2048 it recalls fewer (8/6/0/0 of 12 at 512-4096 against "
-                                "12/12/8/3); at KV 0.25x it raised perplexity (128 blocks: 40.90 against 36.72; docs/results.md 13d); 0: "
-                                "the output error alone")
+                                "12/12/8/3); at KV 0.25x it raised perplexity (128 blocks: 40.90 against 36.72; "
+                                "docs/results.md 13d); 0: the output error alone")
     transfer_weighting: str = option("uniform", "how the attention transfer weighs each token's squared error: "
                                      "uniform, or residual-norm (divided by the squared norm of the residual stream "
                                      "entering the layer at that token, the scale its RMSNorm divides out, so a "
@@ -105,9 +105,10 @@ class MLAConfig(JsonRoundTrip):
     mlp_transfer_lr: float = option(0.0, "after each layer's attention transfer, also train the layer's MLP (Adam, "
                                     "this peak learning rate, the transfer's epochs, blocks per step and dtype) to "
                                     "land the layer's output on the original model's stream leaving the layer "
-                                    "(pipelines/mlp_transfer.py; SmolLM2-135M at KV 0.25x, 128 blocks: 34.55 against 36.72 "
-                                    "wiki-eval perplexity for 2x the conversion time, level after the default heal: "
-                                    "31.78 against 31.79; docs/results.md 13d); 0: the MLP stays the original's")
+                                    "(pipelines/mlp_transfer.py; SmolLM2-135M at KV 0.25x, 128 blocks: 34.55 "
+                                    "against 36.72 wiki-eval perplexity for 2x the conversion time, level after the "
+                                    "default heal: 31.78 against 31.79; docs/results.md 13d); 0: the MLP stays the "
+                                    "original's")
     transfer_target: str = option("residual", "what the transfer reproduces: residual (the original attention on "
                                   "the original model's stream plus the gap of the residual streams: the converted "
                                   "layer's residual lands on the original's), teacher (without the gap) or converted "

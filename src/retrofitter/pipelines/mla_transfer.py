@@ -52,9 +52,9 @@ TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a 
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
 __all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
-           "adam_epochs", "at_positions", "attention_batches", "attention_kl", "kl_query_rows", "mean_attention_kl",
-           "reference_weights_at_rows", "relative_output_error", "residual_norm_weights", "skipped_position_ids",
-           "teacher_targets", "transfer_attention"]
+           "adam_epochs", "at_positions", "attention_batches", "attention_kl", "batch_output", "kl_query_rows",
+           "mean_attention_kl", "reference_weights_at_rows", "relative_output_error", "residual_norm_weights",
+           "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -193,13 +193,14 @@ def at_positions(batches: list[AttentionBatch], position_ids: list[torch.Tensor]
     moved = []
     for batch, ids in zip(batches, position_ids):
         kwargs = with_positions(batch.kwargs, ids)
-        target = batch.target if attention is None else _output(attention, AttentionBatch(kwargs, None)).detach()
+        target = batch.target if attention is None else batch_output(attention, AttentionBatch(kwargs, None)).detach()
         reference = None if batch.reference is None else with_positions(batch.reference, ids)
         moved.append(AttentionBatch(kwargs, target, reference, batch.token_weights))
     return moved
 
 
-def _output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
+def batch_output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
+    """``module(**batch.kwargs)``, its first element when it returns a tuple (an attention or a decoder layer)."""
     out = module(**batch.kwargs)
     return out[0] if isinstance(out, tuple) else out
 
@@ -250,7 +251,7 @@ def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> f
     float64 sums)."""
     error = energy = 0.0
     for batch in batches:
-        error += float(batch.squared_error(_output(module, batch).double()))
+        error += float(batch.squared_error(batch_output(module, batch).double()))
         energy += float(batch.weighted_energy(batch.target.double()))
     return error / max(energy, 1e-300)
 

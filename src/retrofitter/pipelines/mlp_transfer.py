@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from .calibration import LayerStream
-from .mla_transfer import TRANSFER_DTYPES, AttentionBatch, adam_epochs, relative_output_error
+from .mla_transfer import (TRANSFER_DTYPES, AttentionBatch, adam_epochs, batch_output, relative_output_error,
+                           residual_norm_weights)
 
 __all__ = ["layer_batches", "transfer_mlp"]
 
@@ -37,14 +38,9 @@ def layer_batches(stream: LayerStream, targets: LayerStream) -> list[AttentionBa
     1 / ‖y_t‖², so ``relative_output_error`` is the mean over tokens of ‖out_t − y_t‖² / ‖y_t‖²."""
     if len(stream.hidden) != len(targets.hidden):
         raise ValueError(f"the streams hold {len(stream.hidden)} and {len(targets.hidden)} batches")
-    return [AttentionBatch(dict(kwargs, hidden_states=h), y, None,
-                           1.0 / y.double().pow(2).sum(-1).clamp_min(1e-300).float())
-            for h, kwargs, y in zip(stream.hidden, stream.layer_kwargs, targets.hidden)]
-
-
-def _layer_output(layer: nn.Module, batch: AttentionBatch) -> torch.Tensor:
-    out = layer(**batch.kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    batches = [AttentionBatch(dict(kwargs, hidden_states=h), y)
+               for h, kwargs, y in zip(stream.hidden, stream.layer_kwargs, targets.hidden)]
+    return residual_norm_weights(batches, targets.hidden)
 
 
 def transfer_mlp(layer: nn.Module, mlp: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
@@ -72,7 +68,7 @@ def transfer_mlp(layer: nn.Module, mlp: nn.Module, batches: list[AttentionBatch]
 
     def step_loss(_index: int, piece: AttentionBatch) -> torch.Tensor:
         with autocast:
-            out = _layer_output(layer, piece)
+            out = batch_output(layer, piece)
         n = piece.target.shape[0] * piece.target.shape[1]
         return piece.squared_error(out.float()) / n  # the mean of ‖out_t − y_t‖² / ‖y_t‖²
 
