@@ -1,4 +1,4 @@
-"""The option pages name every flag of their command (docs/compress.md, mla.md, export.md, recall.md)."""
+"""The option pages name every flag of their command (docs/compress.md, mla.md — mla and sample —, export.md, recall.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def _flags(command: str) -> set[str]:
 
 @pytest.mark.parametrize("command, page, shared", [("compress", "compress.md", set()), ("mla", "mla.md", SHARED),
                                                    ("export", "export.md", {"--help", "--quiet"}),
-                                                   ("recall", "recall.md", SHARED)])
+                                                   ("recall", "recall.md", SHARED),
+                                                   ("sample", "mla.md", SHARED)])
 def test_every_flag_is_on_its_page(command, page, shared):
     text = (DOCS / page).read_text()
     missing = sorted(f for f in _flags(command) - shared - {"--help"} if f"`{f}" not in text)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from retrofitter.data import cache
-from retrofitter.data.corpora import load_text, parse_hf_spec
+from retrofitter.data.corpora import check_corpus, load_text, parse_hf_spec
 
 
 def test_local_file_and_directory(tmp_path):
@@ -22,6 +22,21 @@ def test_local_file_and_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="contains no .txt files"):
         load_text(str(tmp_path / "empty"))
+
+
+def test_corpora_joined_by_commas_are_read_in_order(tmp_path):
+    (tmp_path / "a.txt").write_text("first text\n\n")
+    (tmp_path / "b.txt").write_text("second text\n")
+    joined = f"{tmp_path / 'b.txt'},{tmp_path / 'a.txt'}"
+    check_corpus(joined, "--calib")
+    assert load_text(joined) == "second text\n\nfirst text"
+    odd = tmp_path / "one,file.txt"  # an existing path with a comma is one corpus
+    odd.write_text("whole")
+    assert load_text(str(odd)) == "whole"
+    with pytest.raises(ValueError, match="--calib '.*missing.txt': no such corpus"):
+        check_corpus(f"{tmp_path / 'a.txt'},{tmp_path / 'missing.txt'}", "--calib")
+    with pytest.raises(ValueError, match="has an empty entry"):
+        load_text(f"{tmp_path / 'a.txt'},,{tmp_path / 'b.txt'}")
 
 
 def test_unknown_corpus_lists_builtins_and_forms(tmp_path):

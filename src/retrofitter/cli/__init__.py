@@ -1,4 +1,4 @@
-"""Command line: ``retrofitter {fetch,compress,mla,linearize,recall,heal,export,eval,bench,report,demo}``.
+"""Command line: ``retrofitter {fetch,compress,mla,linearize,recall,heal,sample,export,eval,bench,report,demo}``.
 
 Each command maps its flags onto one function (``jobs``, ``demo``, ``eval.bench``, ``eval.report``)
 and prints / writes what it returns. The flags of ``compress`` and ``linearize`` are generated from
@@ -24,6 +24,7 @@ from .flags import (add_config_flags, compress_config_from_args, config_from_arg
 from .common import (OneLineParser, add_common, add_eval_flags, add_job_flags, add_quantize_flag, eval_config,
                      show_results)
 from .guards import check_json_output, input_paths, quiet_libraries
+from .sample import add_sample_command, cmd_sample
 
 __all__ = ["main", "build_parser"]
 
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     heal.add_argument("--control", action="store_true",
                       help="also heal the original the same way and evaluate it (the control; ~1.0x by construction)")
     add_job_flags(heal)
+
+    add_sample_command(commands)
 
     bench = commands.add_parser("bench", help="measured prefill latency, decode speed, cache bytes and memory")
     bench.add_argument("models", nargs="+", help="models to compare (first is the reference for ratios)")
@@ -343,7 +346,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"fetch": cmd_fetch, "eval": cmd_eval, "compress": cmd_compress, "mla": cmd_mla, "linearize": cmd_linearize,
-            "recall": cmd_recall, "heal": cmd_heal,
+            "recall": cmd_recall, "heal": cmd_heal, "sample": cmd_sample,
             "export": cmd_export, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo}
 
 

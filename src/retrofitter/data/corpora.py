@@ -8,6 +8,8 @@ Accepted forms for :func:`load_text`:
 * ``hf:<dataset>[:<config>][:<split>]`` — ``datasets.load_dataset(dataset, config, split=split)``,
   column ``text``, rows joined by a blank line (default split ``train``; e.g.
   ``hf:wikitext:wikitext-2-raw-v1:test``). Needs the optional ``datasets`` package and a hub.
+* several of these joined by commas (``wiki-calib,samples.txt``): their texts in that order, a blank line
+  between them (a name that is itself an existing path is read as one corpus)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ CORPORA: dict[str, BuiltinCorpus] = {
 
 def _accepted_forms() -> str:
     return (f"a built-in corpus ({', '.join(sorted(CORPORA))}), a path to a text file or a directory of .txt "
-            f"files, or {HF_PREFIX}<dataset>[:<config>][:<split>]")
+            f"files, or {HF_PREFIX}<dataset>[:<config>][:<split>] (several joined by commas)")
 
 
 def builtin_corpus_path(name: str, progress: bool = True) -> Path:
@@ -105,9 +107,25 @@ def read_text_file(path: Path) -> str:
     return text
 
 
+def corpus_parts(name: str | Path) -> list[str | Path]:
+    """The corpora of a comma-joined ``name`` in order (one part when it has no comma or is an existing path)."""
+    if not isinstance(name, str) or "," not in name or Path(name).expanduser().exists():
+        return [name]
+    parts = [part.strip() for part in name.split(",")]
+    if not all(parts):
+        raise ValueError(f"corpus list {name!r} has an empty entry; expected names joined by single commas")
+    return parts
+
+
 def check_corpus(name: str | Path, flag: str = "corpus") -> None:
-    """Raise ``ValueError`` (naming ``flag`` and the file) unless ``name`` is an accepted corpus form; a local file
-    or directory is read once and must be non-empty UTF-8 text. Built-in and ``hf:`` corpora are not loaded."""
+    """Raise ``ValueError`` (naming ``flag`` and the file) unless ``name`` is an accepted corpus form (or a comma
+    list of them); a local file or directory is read once and must be non-empty UTF-8 text. Built-in and ``hf:``
+    corpora are not loaded."""
+    parts = corpus_parts(name)
+    if len(parts) > 1:
+        for part in parts:
+            check_corpus(part, flag)
+        return
     if isinstance(name, str) and (name in CORPORA or name.startswith(HF_PREFIX)):
         return
     path = Path(name).expanduser()
@@ -123,6 +141,9 @@ def check_corpus(name: str | Path, flag: str = "corpus") -> None:
 
 def load_text(name: str | Path, progress: bool = True) -> str:
     """The text of a corpus given in any of the accepted forms (see the module docstring)."""
+    parts = corpus_parts(name)
+    if len(parts) > 1:
+        return FILE_SEPARATOR.join(load_text(part, progress=progress).strip("\n") for part in parts)
     if isinstance(name, str) and name in CORPORA:
         return builtin_corpus_path(name, progress=progress).read_text(encoding="utf-8")
     if isinstance(name, str) and name.startswith(HF_PREFIX):

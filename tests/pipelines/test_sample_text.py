@@ -1,0 +1,54 @@
+"""pipelines/sample_text.py: prompt windows over a corpus, and continuations the model samples."""
+
+import pytest
+import torch
+
+from retrofitter.config import SampleConfig
+from retrofitter.pipelines.sample_text import prompt_windows, sample_batches
+
+
+def test_prompt_windows_are_spread_evenly_and_keep_the_text():
+    ids = list(range(100))
+    windows = prompt_windows(ids, count=4, length=10)
+    assert windows.tolist() == [list(range(s, s + 10)) for s in (0, 22, 45, 67)]  # ⌊i · 90 / 4⌋
+    assert prompt_windows(ids, count=1, length=100).tolist() == [ids]
+    with pytest.raises(ValueError, match="fewer than one prompt of 101"):
+        prompt_windows(ids, count=1, length=101)
+
+
+def test_sample_batches_continue_each_prompt_by_exactly_the_new_tokens_and_resume_alike(tiny_llama):
+    model = tiny_llama.eval()
+    vocab = model.config.vocab_size
+    prompts = torch.randint(3, vocab, (5, 6), generator=torch.Generator().manual_seed(0))
+    config = SampleConfig(samples=5, prompt_tokens=6, new_tokens=7, batch_size=2, seed=3)
+    batches = list(sample_batches(model, prompts, config, bos_id=1, pad_id=0))
+    assert [first for first, _ in batches] == [0, 2, 4]
+    rows = torch.cat([ids for _, ids in batches])
+    assert rows.shape == (5, 6 + 7)
+    assert torch.equal(rows[:, :6], prompts)  # the prompt, without the BOS given to generate
+    assert len({tuple(r) for r in rows[:, 6:].tolist()}) == 5  # sampled: no two continuations alike
+    resumed = list(sample_batches(model, prompts, config, bos_id=1, pad_id=0, start=2))
+    assert [first for first, _ in resumed] == [2, 4]
+    assert torch.equal(torch.cat([ids for _, ids in resumed]), rows[2:])  # seeded per batch
+    with pytest.raises(ValueError, match="not a multiple of the batch size 2"):
+        next(sample_batches(model, prompts, config, bos_id=1, pad_id=0, start=1))
+
+
+def test_sample_batches_at_temperature_near_zero_are_the_greedy_continuation(tiny_llama):
+    model = tiny_llama.eval()
+    prompts = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    config = SampleConfig(samples=2, prompt_tokens=5, new_tokens=4, batch_size=2, temperature=1e-6, top_k=0,
+                          top_p=1.0)
+    (_, rows), = sample_batches(model, prompts, config, bos_id=None, pad_id=0)
+    greedy = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=4,
+                            min_new_tokens=4, pad_token_id=0)
+    assert torch.equal(rows, greedy)
+
+
+@pytest.mark.parametrize("field, value, message", [("samples", 0, "samples must be >= 1"),
+                                                   ("temperature", 0.0, "temperature must be > 0"),
+                                                   ("top_k", -1, "top_k must be >= 0"),
+                                                   ("top_p", 1.5, r"top_p must be in \(0, 1\]")])
+def test_sample_config_refuses_bad_settings(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SampleConfig(**{field: value})
