@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tiny_models import FAMILIES, TINY_VOCAB, build_tiny
+from tiny_models import FAMILIES, SAMPLE_TEXT, TINY_VOCAB, build_tiny, save_tiny_model_dir
 
 
 
@@ -22,6 +22,14 @@ def tiny_llama():
 @pytest.fixture
 def tiny_opt():
     return build_tiny("opt")
+
+@pytest.fixture
+def workspace(tmp_path):
+    """(tmp_path, a saved tiny Llama directory, a small text corpus file) for command-line tests."""
+    model_dir = save_tiny_model_dir(tmp_path / "tiny", "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SAMPLE_TEXT * 3)
+    return tmp_path, model_dir, corpus
 
 @pytest.fixture
 def random_ids():

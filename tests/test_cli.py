@@ -8,15 +8,7 @@ import torch
 import retrofitter
 from retrofitter.cli import main
 from retrofitter.modules.latent_linear import LatentLinear
-from tiny_models import SAMPLE_TEXT, save_tiny_model_dir
-
-
-@pytest.fixture
-def workspace(tmp_path):
-    model_dir = save_tiny_model_dir(tmp_path / "tiny", "llama")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(SAMPLE_TEXT * 3)
-    return tmp_path, model_dir, corpus
+from tiny_models import SAMPLE_TEXT
 
 
 def test_eval_writes_contract_json(workspace, capsys):

@@ -8,15 +8,6 @@ import retrofitter.jobs.sample as sample_module
 from retrofitter.cli import main
 from retrofitter.data.corpora import load_text
 from retrofitter.jobs.sample import partial_paths
-from tiny_models import SAMPLE_TEXT, save_tiny_model_dir
-
-
-@pytest.fixture
-def setup(tmp_path):
-    model_dir = save_tiny_model_dir(tmp_path / "tiny", "llama")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(SAMPLE_TEXT * 3)
-    return tmp_path, model_dir, corpus
 
 
 def _argv(model_dir, corpus, out, *extra):
@@ -24,8 +15,8 @@ def _argv(model_dir, corpus, out, *extra):
             "--new-tokens", "24", "--batch-size", "2", "--out", str(out), "--quiet", *extra]
 
 
-def test_sample_writes_texts_that_calibrate_a_conversion(setup, capsys):
-    tmp, model_dir, corpus = setup
+def test_sample_writes_texts_that_calibrate_a_conversion(workspace, capsys):
+    tmp, model_dir, corpus = workspace
     out = tmp / "samples.txt"
     assert main(_argv(model_dir, corpus, out, "--json", str(tmp / "s.json"))) == 0
     texts = out.read_text().split("\n\n")
@@ -44,26 +35,28 @@ def test_sample_writes_texts_that_calibrate_a_conversion(setup, capsys):
                  "--seq-len", "32", "--out", str(tmp / "m"), "--no-eval", "--quiet"]) == 0
 
 
-def test_an_interrupted_sample_resumes_to_the_same_file(setup, monkeypatch):
-    tmp, model_dir, corpus = setup
+@pytest.mark.parametrize("stop_after, done", [(1, 2), (3, 5)])  # batches of 2, 2, 1; 3: all written, not renamed
+def test_an_interrupted_sample_resumes_to_the_same_file(workspace, monkeypatch, stop_after, done):
+    tmp, model_dir, corpus = workspace
     whole = tmp / "whole.txt"
     assert main(_argv(model_dir, corpus, whole)) == 0
     batches = sample_module.sample_batches
 
     def one_batch_then_stop(*args, **kwargs):
-        for item in batches(*args, **kwargs):
+        for count, item in enumerate(batches(*args, **kwargs), 1):
             yield item
-            raise KeyboardInterrupt
+            if count == stop_after:
+                raise KeyboardInterrupt
 
     out = tmp / "resumed.txt"
     monkeypatch.setattr(sample_module, "sample_batches", one_batch_then_stop)
     assert main(_argv(model_dir, corpus, out)) == 130
     partial, note = partial_paths(out)
-    assert not out.exists() and json.loads(note.read_text())["samples"] == 2
+    assert not out.exists() and json.loads(note.read_text())["samples"] == done
     assert main(_argv(model_dir, corpus, out, "--seed", "7")) == 2  # other settings: refused, nothing lost
     assert partial.exists()
     monkeypatch.setattr(sample_module, "sample_batches", batches)
     assert main(_argv(model_dir, corpus, out, "--json", str(tmp / "r.json"))) == 0
-    assert json.loads((tmp / "r.json").read_text())["resumed_from"] == 2
+    assert json.loads((tmp / "r.json").read_text())["resumed_from"] == done
     assert out.read_text() == whole.read_text()
     assert not partial.exists() and not note.exists()

@@ -17,10 +17,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..api import load_model
+from ..checkpoint import output_lock
+from ..config import SampleConfig
 from ..data.blocks import tokenize_text
 from ..data.cache import atomic_write_text
 from ..data.corpora import check_corpus, load_text
-from ..config import SampleConfig
 from ..pipelines.sample_text import prompt_windows, sample_batches
 
 __all__ = ["sample_job", "partial_paths"]
@@ -63,6 +64,16 @@ def sample_job(model_name: str, out, config: SampleConfig, *, prompts: str = "wi
     check_corpus(prompts, "--prompts")
     settings = {"model": str(model_name), "prompts": str(prompts), "dtype": str(dtype),
                 **dataclasses.asdict(config)}
+    with output_lock(out):  # a second run writing the same file fails at once
+        resumed_from, seconds = _write_samples(model_name, out, config, prompts, settings, dtype, device, progress)
+    return {"out": str(out), "settings": settings, "samples": config.samples,
+            "tokens": config.samples * (config.prompt_tokens + config.new_tokens),
+            "seconds": seconds, "resumed_from": resumed_from}
+
+
+def _write_samples(model_name, out: Path, config: SampleConfig, prompts, settings: dict, dtype, device,
+                   progress: bool) -> tuple[int, float]:
+    """Sample into the partial file from the resume point on, then rename it to ``out``: (resumed from, seconds)."""
     resumed_from, size = _resume_point(out, settings)
     done = resumed_from
     if done % config.batch_size and done < config.samples:
@@ -90,6 +101,4 @@ def sample_job(model_name: str, out, config: SampleConfig, *, prompts: str = "wi
         bar.close()
     os.replace(partial, out)
     note_path.unlink()
-    return {"out": str(out), "settings": settings, "samples": config.samples,
-            "tokens": config.samples * (config.prompt_tokens + config.new_tokens),
-            "seconds": round(time.monotonic() - started, 1), "resumed_from": resumed_from}
+    return resumed_from, round(time.monotonic() - started, 1)

@@ -38,10 +38,10 @@ def prompt_windows(ids: list[int], count: int, length: int) -> torch.LongTensor:
 def sample_batches(model, prompts: torch.LongTensor, config: SampleConfig, bos_id: int | None, pad_id: int,
                    start: int = 0) -> Iterator[tuple[int, torch.LongTensor]]:
     """Yield ``(first index, ids [b, P + N])`` for the batches of ``prompts[start:]`` (``start`` a multiple of the
-    batch size): each row the prompt followed by exactly ``new_tokens`` sampled tokens (the end-of-text token is
+    batch size, or the end): each row the prompt followed by exactly ``new_tokens`` sampled tokens (the end-of-text token is
     suppressed until then, ``min_new_tokens``). The BOS token, when the model has one, is prepended for
     generation and left out of the rows."""
-    if start % config.batch_size:
+    if start % config.batch_size and start < prompts.shape[0]:
         raise ValueError(f"start {start} is not a multiple of the batch size {config.batch_size}")
     device = next(model.parameters()).device
     for first in range(start, prompts.shape[0], config.batch_size):
