@@ -37,6 +37,8 @@ def test_corpora_joined_by_commas_are_read_in_order(tmp_path):
         check_corpus(f"{tmp_path / 'a.txt'},{tmp_path / 'missing.txt'}", "--calib")
     with pytest.raises(ValueError, match="has an empty entry"):
         load_text(f"{tmp_path / 'a.txt'},,{tmp_path / 'b.txt'}")
+    with pytest.raises(ValueError, match="^--calib: corpus list .* has an empty entry"):
+        check_corpus("wiki-calib,", "--calib")
 
 
 def test_unknown_corpus_lists_builtins_and_forms(tmp_path):

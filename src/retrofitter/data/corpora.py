@@ -121,7 +121,10 @@ def check_corpus(name: str | Path, flag: str = "corpus") -> None:
     """Raise ``ValueError`` (naming ``flag`` and the file) unless ``name`` is an accepted corpus form (or a comma
     list of them); a local file or directory is read once and must be non-empty UTF-8 text. Built-in and ``hf:``
     corpora are not loaded."""
-    parts = corpus_parts(name)
+    try:
+        parts = corpus_parts(name)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
     if len(parts) > 1:
         for part in parts:
             check_corpus(part, flag)
