@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import retrofitter.jobs.sample as sample_module
 from retrofitter.cli import main
@@ -37,6 +38,16 @@ def test_sample_writes_texts_that_calibrate_a_conversion(workspace, capsys):
 
 @pytest.mark.parametrize("stop_after, done", [(1, 2), (3, 5)])  # batches of 2, 2, 1; 3: all written, not renamed
 def test_an_interrupted_sample_resumes_to_the_same_file(workspace, monkeypatch, stop_after, done):
+    # Same ops, inputs, process and thread count under deterministic mode: the same floats, so the same samples.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _interrupt_and_resume(workspace, monkeypatch, stop_after, done)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _interrupt_and_resume(workspace, monkeypatch, stop_after, done):
     tmp, model_dir, corpus = workspace
     whole = tmp / "whole.txt"
     assert main(_argv(model_dir, corpus, whole)) == 0
