@@ -39,6 +39,7 @@ from torch import nn
 
 from ..modules.quantize import quantized_scheme
 from .accounting import account
+from .machine import cpu_model
 from .resources import sampled_rss
 
 __all__ = ["bench_models", "cache_nbytes", "machine_info", "peak_memory", "unique_labels"]
@@ -206,18 +207,10 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
     """CPU model, threads, accelerator, library versions and the date: what a reader needs to compare runs."""
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
-        if names:
-            cpu = names[0]
-    except OSError:
-        pass
     device = torch.device(device)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import statistics
 import time
 
@@ -27,6 +26,7 @@ from tqdm.auto import tqdm
 from ..data.cache import atomic_write_text, cache_dir
 from ..modules.latent_linear import LatentLinear
 from .cost_model import KERNELS, FormCostModel, rank_grid
+from .machine import cpu_model
 
 __all__ = ["CACHE_FORMAT", "machine_key", "timings_path", "time_kernel", "kernel_module", "measure_timings",
            "load_timings", "shape_requests"]
@@ -34,21 +34,10 @@ __all__ = ["CACHE_FORMAT", "machine_key", "timings_path", "time_kernel", "kernel
 CACHE_FORMAT = 1
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_key(dtype: torch.dtype, device: torch.device | str) -> dict:
     """What the timings depend on: CPU model, torch version, threads, dtype, device (and accelerator)."""
     device = torch.device(device)
-    return {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).replace("torch.", ""), "device": device.type,
             "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 

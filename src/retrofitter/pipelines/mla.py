@@ -33,8 +33,9 @@ from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import restore_streams, save_layer_progress
-from .mla_transfer import (TRANSFER_DTYPES, TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_positions, attention_batches,
-                           residual_norm_weights, skipped_position_ids, teacher_targets, transfer_attention)
+from .mla_transfer import (TRANSFER_DTYPE_CHOICES, TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_positions,
+                           attention_batches, residual_norm_weights, resolve_transfer_dtype, skipped_position_ids,
+                           teacher_targets, transfer_attention)
 from .mlp_transfer import layer_batches, transfer_mlp
 from .resume import RunDirectory, layer_run_fingerprint
 
@@ -78,10 +79,11 @@ class MLAConfig(JsonRoundTrip):
                                  "the Adam steps of 4 (762 s against 704 s) and gives a better model (SmolLM2-135M "
                                  "at KV 0.25x, 128 blocks: 36.74 against 43.16 wiki-eval perplexity; "
                                  "docs/results.md 13d)")
-    transfer_dtype: str = option("float32", "autocast dtype of the attention-transfer steps: bfloat16 took 0.47x the "
-                                 "float32 step time on AMD EPYC with AVX512-BF16 for the same perplexity, 0.41x on "
-                                 "Intel Xeon with AMX (4 blocks of 512); weights and Adam stay float32",
-                                 choices=TRANSFER_DTYPES)
+    transfer_dtype: str = option("auto", "autocast dtype of the attention-transfer steps (weights and Adam stay "
+                                 "float32): bfloat16 took 0.47x the float32 step time on AMD EPYC with AVX512-BF16 for "
+                                 "the same perplexity, 0.41x on Intel Xeon with AMX (4 blocks of 512); auto: bfloat16 "
+                                 "where it is native (AVX512-BF16, AMX, a CUDA device that has it), else float32",
+                                 choices=TRANSFER_DTYPE_CHOICES)
     transfer_execution: str = option("decompressed", "how a transfer step runs the attention: decompressed (keys and "
                                      "values per token, the [n, n] scores materialised) or absorbed (the serving "
                                      "execution, one fused SDPA over [c, k_pe]; the same function, faster on long "
@@ -165,8 +167,8 @@ class MLAConfig(JsonRoundTrip):
                              f">= 1; got {self.repeat_share}, {self.repeat_span}")
         if self.transfer_target not in TRANSFER_TARGETS:
             raise ValueError(f"transfer_target must be one of {TRANSFER_TARGETS}, got {self.transfer_target!r}")
-        if self.transfer_dtype not in TRANSFER_DTYPES:
-            raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {self.transfer_dtype!r}")
+        if self.transfer_dtype not in TRANSFER_DTYPE_CHOICES:
+            raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPE_CHOICES}, got {self.transfer_dtype!r}")
         if self.transfer_execution not in TRANSFER_EXECUTIONS:
             raise ValueError(f"transfer_execution must be one of {TRANSFER_EXECUTIONS}, got "
                              f"{self.transfer_execution!r}")
@@ -183,7 +185,7 @@ MLA_PRESETS: dict[str, dict] = {
                        "2048; the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): SmolLM2-135M "
                        "at KV 0.25x, 25.36 wiki-eval perplexity before healing against 184.67 training-free; healed "
                        "1.260x the original's on the first 4096 tokens, 1.222x on all of wiki-eval and 1.32x at seq "
-                       "2048; 221 s of conversion per layer on 2 AMD EPYC cores with --transfer-dtype bfloat16, plus "
+                       "2048; 221 s of conversion per layer on 2 AMD EPYC cores in bfloat16 (--transfer-dtype auto), plus "
                        "the rope-step search over every block (70 s for 128; --rope-step N skips it); at 0.5x healed "
                        "1.046x on all of wiki-eval (docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1,
@@ -322,6 +324,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
     if config.repeat_share:
         calibration = with_repeated_spans(calibration, config.repeat_share, config.repeat_span)
     inv_freq = model_inv_freq(model)
+    dtype = resolve_transfer_dtype(config.transfer_dtype, next(model.parameters()))
     model.eval()
     run_dir = state = None
     if checkpoint_dir is not None:
@@ -363,14 +366,14 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         module = mla_attention_from_factors(original, model, factors)
         adapter.set_attention(layer, module)
         transfer = (transfer_attention(module, batches, epochs=config.transfer_epochs, lr=config.transfer_lr,
-                                       batch_blocks=config.transfer_batch, seed=index, dtype=config.transfer_dtype,
+                                       batch_blocks=config.transfer_batch, seed=index, dtype=dtype,
                                        execution=config.transfer_execution, kl_weight=config.transfer_kl,
                                        reference_weights=functools.partial(attention_probabilities, model, original))
                     if batches is not None else None)
         del batches
         mlp = (transfer_mlp(layer, adapter.mlp(layer), layer_batches(stream, streams["teacher_stream"]),
                             epochs=config.transfer_epochs, lr=config.mlp_transfer_lr,
-                            batch_blocks=config.transfer_batch, seed=index, dtype=config.transfer_dtype)
+                            batch_blocks=config.transfer_batch, seed=index, dtype=dtype)
                if config.mlp_transfer_lr else None)
         streams["stream"] = stream.advance(layer)
         reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
@@ -387,7 +390,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         run_dir.remove()
     original = 2 * layout.n_kv_heads * layout.head_dim
     return model, {"method": "mla", "config": config.to_dict(), "kv_rank": kv_rank, "rope_dim": rope_dim,
-                   "rope_step": step,
+                   "rope_step": step, "transfer_dtype": dtype if config.transfer_epochs else None,
                    "cache_numbers_per_token_per_layer": kv_rank + rope_dim,
                    "original_cache_numbers_per_token_per_layer": original,
                    "kv_fraction": (kv_rank + rope_dim) / original, "layers": reports,

@@ -46,15 +46,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..eval.machine import native_bfloat16
+
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
 TRANSFER_DTYPES = ("float32", "bfloat16")
+TRANSFER_DTYPE_CHOICES = ("auto",) + TRANSFER_DTYPES  # auto: bfloat16 where it is native (resolve_transfer_dtype)
 TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a transfer step may run
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
-__all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
+__all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_DTYPE_CHOICES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
            "adam_epochs", "at_positions", "attention_batches", "attention_kl", "batch_output", "kl_query_rows",
            "mean_attention_kl", "reference_weights_at_rows", "relative_output_error", "residual_norm_weights",
-           "skipped_position_ids", "teacher_targets", "transfer_attention"]
+           "resolve_transfer_dtype", "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -274,6 +277,20 @@ def adam_epochs(parameters: list[nn.Parameter], pieces: list[AttentionBatch],
                 optimizer.step()
                 steps += 1
     return steps
+
+
+def resolve_transfer_dtype(requested: str, parameter: torch.Tensor) -> str:
+    """The autocast dtype (``TRANSFER_DTYPES``) the transfer steps of a model with this ``parameter`` run in:
+    ``requested`` itself, or for "auto" "bfloat16" where the parameter is float32 on a device with native bfloat16
+    math (``eval.machine.native_bfloat16``: a step took 0.41–0.47× the float32 time there for the same perplexity,
+    docs/results.md §13d) and "float32" (no autocast) otherwise: emulated bfloat16 is slower than float32, and
+    autocast leaves float64 and bfloat16 weights as they are."""
+    if requested not in TRANSFER_DTYPE_CHOICES:
+        raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPE_CHOICES}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    native = parameter.dtype == torch.float32 and native_bfloat16(parameter.device)
+    return "bfloat16" if native else "float32"
 
 
 def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
