@@ -45,3 +45,11 @@ def _threads_for_test(request):
     torch.set_num_threads((os.cpu_count() or 1) if real else 1)
     yield
     torch.set_num_threads(previous)
+
+@pytest.fixture(autouse=True)
+def _no_native_bfloat16(monkeypatch):
+    """"auto" autocast (pipelines/training.py) resolves to float32 in every test, so every CPU runs the same steps
+    (bfloat16 is native on some CI machines and not on others); a test of "auto" patches its own answer."""
+    import retrofitter.pipelines.training as training
+
+    monkeypatch.setattr(training, "native_bfloat16", lambda device: False)

@@ -58,6 +58,33 @@ def test_heal_lowers_the_kl_to_the_teacher_and_keeps_the_compressed_layout():
     assert not any(p.requires_grad for p in healed.parameters())
 
 
+@pytest.mark.parametrize("requested, native", [("bfloat16", False), ("auto", True), ("auto", False)])
+def test_heal_under_autocast_trains_in_that_dtype_and_merges_float32_weights(monkeypatch, requested, native):
+    import retrofitter.pipelines.training as training
+
+    monkeypatch.setattr(training, "native_bfloat16", lambda device: native)  # over conftest's False
+    teacher, student = pair()
+    before = mean_kl(student, teacher, blocks())
+    seen = set()  # dtypes of the student's LatentLinear outputs while gradients are recorded (training steps)
+
+    def record(module, args, output):
+        if isinstance(module, LatentLinear) and torch.is_grad_enabled():
+            seen.add(output.dtype)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        healed, report = heal_model(student, teacher, blocks(), config(tokens=3 * 8 * 32, autocast=requested),
+                                    progress=False)
+    finally:
+        hook.remove()
+    expected = "bfloat16" if requested == "bfloat16" or native else "float32"
+    assert report["autocast"] == expected and seen == {getattr(torch, expected)}
+    assert mean_kl(healed, teacher, blocks()) < 0.7 * before  # as in float32 (above)
+    assert all(p.dtype == torch.float32 for p in healed.parameters())
+    with pytest.raises(ValueError, match="autocast"):
+        config(autocast="float16")
+
+
 def test_control_distilled_from_itself_stays_close_to_the_original():
     # KL's gradient at student = teacher is zero; Adam scales rounding noise up to lr-sized steps, and the
     # KL then pulls back: the control stays far closer to the original than the compressed model is.

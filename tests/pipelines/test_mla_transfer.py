@@ -20,15 +20,14 @@ from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches, attention_kl,
                                                kl_query_rows, mean_attention_kl, reference_weights_at_rows,
-                                               relative_output_error, resolve_transfer_dtype, skipped_position_ids,
-                                               teacher_targets, transfer_attention)
+                                               relative_output_error, skipped_position_ids, teacher_targets,
+                                               transfer_attention)
 from tiny_models import TINY_VOCAB, strong_tiny
 
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
 
 
 def _convert(family, epochs, kv_ratio=0.25, **settings):
-    settings.setdefault("transfer_dtype", "float32")  # not "auto": the same steps on every CPU
     model = strong_tiny(family, dtype=torch.float32)
     _, report = convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, transfer_epochs=epochs, transfer_batch=2,
                                                 **settings), CALIBRATION, progress=False)
@@ -164,7 +163,7 @@ def test_an_interrupted_conversion_resumes_to_the_same_model(tmp_path, monkeypat
     import retrofitter.pipelines.mla as mla_pipeline
 
     config = MLAConfig(kv_ratio=0.25, transfer_epochs=2, transfer_batch=2, transfer_target=target,
-                       mlp_transfer_lr=mlp_lr, transfer_dtype="float32")
+                       mlp_transfer_lr=mlp_lr)
     reference = strong_tiny("llama", dtype=torch.float32)
     _, expected_report = convert_to_mla(reference, config, CALIBRATION, progress=False)
     build, calls = mla_pipeline.mla_attention_from_factors, []
@@ -290,8 +289,8 @@ def test_repeated_spans_calibrate_the_conversion_on_the_blocks_with_repeats(monk
     assert with_repeats.dtype == torch.long
     assert seen and all(ids.dtype == torch.long and torch.equal(ids, with_repeats) for ids in seen)
     given = strong_tiny("llama", dtype=torch.float32)
-    convert_to_mla(given, MLAConfig(kv_ratio=0.25, transfer_epochs=1, transfer_batch=2, transfer_dtype="float32"),
-                   with_repeats, progress=False)
+    convert_to_mla(given, MLAConfig(kv_ratio=0.25, transfer_epochs=1, transfer_batch=2), with_repeats,
+                   progress=False)
     plain, _ = _convert("llama", epochs=1)
     expected, baseline = given.state_dict(), plain.state_dict()
     # Same inputs and code; only the order of float32 roundings may differ between runs (MKL picks kernels by memory
@@ -380,26 +379,11 @@ def test_the_attention_kl_needs_the_decompressed_execution():
         transfer_attention(module, [], epochs=1, lr=1e-3, batch_blocks=1, kl_weight=1.0)
 
 
-def test_auto_transfer_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
-    import retrofitter.pipelines.mla_transfer as transfer_module
-
-    single, double = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
-    for native in (True, False):
-        monkeypatch.setattr(transfer_module, "native_bfloat16", lambda device, native=native: native)
-        assert resolve_transfer_dtype("auto", single) == ("bfloat16" if native else "float32")
-        assert resolve_transfer_dtype("auto", double) == "float32"  # autocast leaves float64 as it is
-        for explicit in ("float32", "bfloat16"):
-            assert resolve_transfer_dtype(explicit, single) == explicit
-    with pytest.raises(ValueError, match="auto"):
-        resolve_transfer_dtype("float16", single)
-    assert MLAConfig().transfer_dtype == "auto"
-
-
 @pytest.mark.parametrize("native", [True, False])
 def test_the_conversion_trains_in_the_resolved_dtype_and_reports_it(monkeypatch, native):
-    import retrofitter.pipelines.mla_transfer as transfer_module
+    import retrofitter.pipelines.training as training_module
 
-    monkeypatch.setattr(transfer_module, "native_bfloat16", lambda device: native)
+    monkeypatch.setattr(training_module, "native_bfloat16", lambda device: native)  # over conftest's False
     steps = set()
 
     def record(module, args, output):

@@ -86,7 +86,7 @@ def test_the_conversion_with_mlp_transfer_lands_closer_to_the_original(target):
     def convert(mlp_lr):
         model = strong_tiny("llama", dtype=torch.float32)
         config = MLAConfig(kv_ratio=0.25, transfer_epochs=10, transfer_batch=2, transfer_target=target,
-                           mlp_transfer_lr=mlp_lr, transfer_dtype="float32")
+                           mlp_transfer_lr=mlp_lr)
         _, report = convert_to_mla(model, config, CALIBRATION, progress=False)
         with torch.no_grad():
             logits = torch.log_softmax(model(CALIBRATION).logits, -1)

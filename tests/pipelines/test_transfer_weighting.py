@@ -67,12 +67,11 @@ def test_token_weights_travel_with_pieces_and_positions():
 def test_the_conversion_trains_on_the_weighted_error(target):
     model = strong_tiny("llama", dtype=torch.float32)
     config = MLAConfig(kv_ratio=0.25, transfer_epochs=20, transfer_batch=2, transfer_target=target,
-                       transfer_weighting="residual-norm", transfer_dtype="float32")
+                       transfer_weighting="residual-norm")
     _, report = convert_to_mla(model, config, CALIBRATION, progress=False)
     uniform = strong_tiny("llama", dtype=torch.float32)
     _, plain = convert_to_mla(uniform, MLAConfig(kv_ratio=0.25, transfer_epochs=20, transfer_batch=2,
-                                                 transfer_target=target, transfer_dtype="float32"),
-                              CALIBRATION, progress=False)
+                                                 transfer_target=target), CALIBRATION, progress=False)
     for layer, other in zip(report["layers"], plain["layers"]):
         assert layer["transfer"]["kept"] and layer["transfer"]["error_after"] < layer["transfer"]["error_before"]
     # the first layer sees the same inputs and targets in both: only the weights of its tokens differ

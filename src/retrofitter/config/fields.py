@@ -7,7 +7,7 @@ import math
 from dataclasses import field
 
 __all__ = ["option", "JsonRoundTrip", "COMPRESS_CALIB_SAMPLES", "MLA_CALIB_SAMPLES", "MLA_SEQ_LEN", "DEMO_CALIB_SAMPLES",
-           "DEMO_MAX_EVAL_TOKENS", "SHARDING_MODES"]
+           "DEMO_MAX_EVAL_TOKENS", "SHARDING_MODES", "AUTOCAST_CHOICES", "AUTOCAST_DTYPES"]
 
 # Calibration and evaluation defaults shared by the CLI and the job functions (written once)
 COMPRESS_CALIB_SAMPLES = 64  # blocks of 512 tokens for compress
@@ -15,6 +15,8 @@ MLA_CALIB_SAMPLES = 32       # blocks of MLA_SEQ_LEN tokens for mla
 MLA_SEQ_LEN = 512            # mla calibration block length (and perplexity window) unless a preset or flag says
 DEMO_CALIB_SAMPLES = 32
 DEMO_MAX_EVAL_TOKENS = 4096
+AUTOCAST_DTYPES = ("float32", "bfloat16")  # training stages' autocast (pipelines/training.py); float32: none
+AUTOCAST_CHOICES = ("auto",) + AUTOCAST_DTYPES  # auto: bfloat16 where it is native, else float32
 SHARDING_MODES = ("ddp", "fsdp")  # training stages under several processes (pipelines/sharding.py)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fields import SHARDING_MODES, JsonRoundTrip, option
+from .fields import AUTOCAST_CHOICES, SHARDING_MODES, JsonRoundTrip, option
 
 __all__ = ["HealConfig"]
 
@@ -20,7 +20,7 @@ class HealConfig(JsonRoundTrip):
     exactly afterwards. Budget: ``tokens`` (all processes together) and/or ``minutes`` of training,
     whichever ends first. AdamW, ``lr`` with ``warmup_steps`` of linear warm-up, then cosine decay to
     ``min_lr_ratio · lr`` over the budget. Resumable: the LoRA factors and the optimizer state are
-    written every ``checkpoint_every`` steps.
+    written every ``checkpoint_every`` steps. The steps' forward runs under ``autocast`` (pipelines/training.py).
     """
 
     tokens: int = option(65_536, "training tokens, all processes together (0: --minutes alone)")
@@ -44,12 +44,17 @@ class HealConfig(JsonRoundTrip):
     grad_clip: float = option(1.0, "gradient-norm clip (0: none)")
     checkpoint_every: int = option(25, "steps between resume checkpoints in the work dir")
     seed: int = option(0, "random seed (LoRA init, data order)")
+    autocast: str = option("float32", "autocast dtype of the training steps (LoRA factors, AdamW and the loss stay "
+                           "float32): float32 (none), bfloat16, or auto (bfloat16 where it is native: AVX512-BF16, "
+                           "AMX, a CUDA device that has it; else float32)", choices=AUTOCAST_CHOICES)
     sharding: str = option("ddp", "with several processes: ddp (whole student per process, averaged LoRA gradients) "
                             "or fsdp (FSDP2 fully_shard per decoder layer: student weights sharded)",
                             choices=SHARDING_MODES)
 
     def __post_init__(self):
         self._check_finite()
+        if self.autocast not in AUTOCAST_CHOICES:
+            raise ValueError(f"autocast must be one of {', '.join(AUTOCAST_CHOICES)}, got {self.autocast!r}")
         if self.sharding not in SHARDING_MODES:
             raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {self.sharding!r}")
         for name in ("tokens", "minutes", "warmup_steps", "nll_weight", "teacher_topk", "grad_clip", "min_lr_ratio"):

@@ -38,7 +38,7 @@ from .distill import DistillationLoss, teacher_topk
 from .resume import RunDirectory, fingerprint
 from .sharding import (device_mesh, full_tensor, gather_into, local_numel, meta_skeleton, shard_for_training,
                        shard_like)
-from .training import make_accelerator
+from .training import autocast_to, make_accelerator, resolve_autocast_dtype
 
 __all__ = ["ATTENTION_TARGETS", "HealTarget", "heal_targets", "learning_rate", "heal_model"]
 
@@ -178,6 +178,7 @@ class _Run(NamedTuple):
     trainable: list[nn.Parameter]
     skeleton: nn.Module | None  # FSDP2: the meta model the shards are gathered into
     held: int  # this process's share of the student's parameters
+    autocast: str  # the steps' autocast dtype (config.autocast resolved: training.resolve_autocast_dtype)
 
 
 def _check_inputs(teacher, blocks: torch.Tensor, config: HealConfig) -> None:
@@ -244,7 +245,9 @@ def _prepare(student, teacher, config: HealConfig, accelerator, run_dir, state, 
     else:
         objective, optimizer = accelerator.prepare(objective, optimizer)
     objective.train()
-    return _Run(run_dir, state, state["step"], objective, optimizer, raw_optimizer, trainable, skeleton, held)
+    autocast = resolve_autocast_dtype(config.autocast, trainable[0])
+    return _Run(run_dir, state, state["step"], objective, optimizer, raw_optimizer, trainable, skeleton, held,
+                autocast)
 
 
 def _save_checkpoint(run: _Run, student, accelerator) -> None:
@@ -283,7 +286,8 @@ def _train(run: _Run, student, blocks, config: HealConfig, accelerator, progress
             group["lr"] = learning_rate(config, state["step"], fraction)
         indices = order.indices(state["step"])
         topk = _load_topk(run.run_dir, indices, device) if config.teacher_topk else None
-        loss = run.objective(blocks[indices].to(device), topk)
+        with autocast_to(run.autocast, device):  # backward outside, as autocast asks
+            loss = run.objective(blocks[indices].to(device), topk)
         accelerator.backward(loss)
         if config.grad_clip:
             accelerator.clip_grad_norm_(run.trainable, config.grad_clip)
@@ -332,7 +336,7 @@ def _report(run: _Run, config: HealConfig, targets, world: int, stopped_by: str,
         "loss": "kl" if config.nll_weight == 0 else "next_token" if config.nll_weight == 1 else "kl+next_token",
         "loss_first": sum(losses[:window]) / window if losses else None,
         "loss_last": sum(losses[-window:]) / window if losses else None,
-        "loss_history": losses, "config": config.to_dict(),
+        "loss_history": losses, "autocast": run.autocast, "config": config.to_dict(),
     }
 
 

@@ -27,17 +27,18 @@ from ..adapters.mla_attention import (attention_kwargs_at, attention_probabiliti
                                       rebuild_mla_attention)
 from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
+from ..config.fields import AUTOCAST_CHOICES
 from ..data.blocks import with_repeated_spans
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
 from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import restore_streams, save_layer_progress
-from .mla_transfer import (TRANSFER_DTYPE_CHOICES, TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_positions,
-                           attention_batches, residual_norm_weights, resolve_transfer_dtype, skipped_position_ids,
-                           teacher_targets, transfer_attention)
+from .mla_transfer import (TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_positions, attention_batches,
+                           residual_norm_weights, skipped_position_ids, teacher_targets, transfer_attention)
 from .mlp_transfer import layer_batches, transfer_mlp
 from .resume import RunDirectory, layer_run_fingerprint
+from .training import resolve_autocast_dtype
 
 UNROTATED_FITS = ("attention", "uniform", "none")
 TRANSFER_WEIGHTINGS = ("uniform", "residual-norm")  # MLAConfig.transfer_weighting
@@ -83,7 +84,7 @@ class MLAConfig(JsonRoundTrip):
                                  "float32): bfloat16 took 0.47x the float32 step time on AMD EPYC with AVX512-BF16 for "
                                  "the same perplexity, 0.41x on Intel Xeon with AMX (4 blocks of 512); auto: bfloat16 "
                                  "where it is native (AVX512-BF16, AMX, a CUDA device that has it), else float32",
-                                 choices=TRANSFER_DTYPE_CHOICES)
+                                 choices=AUTOCAST_CHOICES)
     transfer_execution: str = option("decompressed", "how a transfer step runs the attention: decompressed (keys and "
                                      "values per token, the [n, n] scores materialised) or absorbed (the serving "
                                      "execution, one fused SDPA over [c, k_pe]; the same function, faster on long "
@@ -167,8 +168,8 @@ class MLAConfig(JsonRoundTrip):
                              f">= 1; got {self.repeat_share}, {self.repeat_span}")
         if self.transfer_target not in TRANSFER_TARGETS:
             raise ValueError(f"transfer_target must be one of {TRANSFER_TARGETS}, got {self.transfer_target!r}")
-        if self.transfer_dtype not in TRANSFER_DTYPE_CHOICES:
-            raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPE_CHOICES}, got {self.transfer_dtype!r}")
+        if self.transfer_dtype not in AUTOCAST_CHOICES:
+            raise ValueError(f"transfer_dtype must be one of {AUTOCAST_CHOICES}, got {self.transfer_dtype!r}")
         if self.transfer_execution not in TRANSFER_EXECUTIONS:
             raise ValueError(f"transfer_execution must be one of {TRANSFER_EXECUTIONS}, got "
                              f"{self.transfer_execution!r}")
@@ -324,7 +325,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
     if config.repeat_share:
         calibration = with_repeated_spans(calibration, config.repeat_share, config.repeat_span)
     inv_freq = model_inv_freq(model)
-    dtype = resolve_transfer_dtype(config.transfer_dtype, next(model.parameters()))
+    dtype = resolve_autocast_dtype(config.transfer_dtype, next(model.parameters()))
     model.eval()
     run_dir = state = None
     if checkpoint_dir is not None:

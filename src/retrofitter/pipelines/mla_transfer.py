@@ -46,18 +46,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..eval.machine import native_bfloat16
+from ..config.fields import AUTOCAST_DTYPES
+from .training import autocast_to
 
 TRANSFER_TARGETS = ("residual", "teacher", "converted")
-TRANSFER_DTYPES = ("float32", "bfloat16")
-TRANSFER_DTYPE_CHOICES = ("auto",) + TRANSFER_DTYPES  # auto: bfloat16 where it is native (resolve_transfer_dtype)
 TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a transfer step may run
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
-__all__ = ["KL_QUERY_STRIDE", "TRANSFER_DTYPES", "TRANSFER_DTYPE_CHOICES", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
+__all__ = ["KL_QUERY_STRIDE", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
            "adam_epochs", "at_positions", "attention_batches", "attention_kl", "batch_output", "kl_query_rows",
            "mean_attention_kl", "reference_weights_at_rows", "relative_output_error", "residual_norm_weights",
-           "resolve_transfer_dtype", "skipped_position_ids", "teacher_targets", "transfer_attention"]
+           "skipped_position_ids", "teacher_targets", "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -279,20 +278,6 @@ def adam_epochs(parameters: list[nn.Parameter], pieces: list[AttentionBatch],
     return steps
 
 
-def resolve_transfer_dtype(requested: str, parameter: torch.Tensor) -> str:
-    """The autocast dtype (``TRANSFER_DTYPES``) the transfer steps of a model with this ``parameter`` run in:
-    ``requested`` itself, or for "auto" "bfloat16" where the parameter is float32 on a device with native bfloat16
-    math (``eval.machine.native_bfloat16``: a step took 0.41–0.47× the float32 time there for the same perplexity,
-    docs/results.md §13d) and "float32" (no autocast) otherwise: emulated bfloat16 is slower than float32, and
-    autocast leaves float64 and bfloat16 weights as they are."""
-    if requested not in TRANSFER_DTYPE_CHOICES:
-        raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPE_CHOICES}, got {requested!r}")
-    if requested != "auto":
-        return requested
-    native = parameter.dtype == torch.float32 and native_bfloat16(parameter.device)
-    return "bfloat16" if native else "float32"
-
-
 def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epochs: int, lr: float,
                        batch_blocks: int, seed: int = 0, dtype: str = "float32", execution: str = "decompressed",
                        kl_weight: float = 0.0,
@@ -300,7 +285,7 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     """Train every parameter of ``module`` (an ``MLAAttention``) to reproduce ``batches``' targets (module
     docstring); returns {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights
     were kept). The steps run the module's ``execution`` (``TRANSFER_EXECUTIONS``), under autocast to ``dtype`` unless
-    "float32" (``TRANSFER_DTYPES``; the weights, Adam's state and the loss stay float32); the errors before and
+    "float32" (``training.AUTOCAST_DTYPES``; the weights, Adam's state and the loss stay float32); the errors before and
     after are measured with its own execution in its own dtype.
 
     With ``kl_weight`` λ > 0 each step also matches the attention weights: the loss is E + λ·KL, KL =
@@ -311,8 +296,8 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     block) for every epoch. Output error pays little for attending to the wrong one of two similar tokens; KL
     pays for it, and retrieval is made of that. The record then also holds "kl_before" / "kl_after", and the
     trained weights are kept when E + λ·KL fell."""
-    if dtype not in TRANSFER_DTYPES:
-        raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPES}, got {dtype!r}")
+    if dtype not in AUTOCAST_DTYPES:
+        raise ValueError(f"transfer dtype must be one of {AUTOCAST_DTYPES}, got {dtype!r}")
     if execution not in TRANSFER_EXECUTIONS:
         raise ValueError(f"transfer execution must be one of {TRANSFER_EXECUTIONS}, got {execution!r}")
     if kl_weight < 0 or (kl_weight and (reference_weights is None or execution != "decompressed")):
@@ -332,7 +317,7 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     scale = tokens / max(energy, 1e-300)  # the loss is O(1): squared error over the mean squared target
     flags = [p.requires_grad for p in parameters]
     serving, module.execution = module.execution, execution
-    autocast = torch.autocast(parameters[0].device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    autocast = autocast_to(dtype, parameters[0].device)
 
     def step_loss(index: int, piece: AttentionBatch) -> torch.Tensor:
         with autocast:

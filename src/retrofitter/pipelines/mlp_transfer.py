@@ -25,9 +25,11 @@ import time
 import torch
 from torch import nn
 
+from ..config.fields import AUTOCAST_DTYPES
 from .calibration import LayerStream
-from .mla_transfer import (TRANSFER_DTYPES, AttentionBatch, adam_epochs, batch_output, relative_output_error,
+from .mla_transfer import (AttentionBatch, adam_epochs, batch_output, relative_output_error,
                            residual_norm_weights)
+from .training import autocast_to
 
 __all__ = ["layer_batches", "transfer_mlp"]
 
@@ -48,10 +50,10 @@ def transfer_mlp(layer: nn.Module, mlp: nn.Module, batches: list[AttentionBatch]
     """Train ``mlp`` (a submodule of the decoder ``layer``) so that ``layer`` reproduces ``batches``' targets
     (``layer_batches``; module docstring). Returns {"error_before", "error_after", "steps", "kept", "seconds"}:
     E (``relative_output_error`` with the batches' token weights) before and after (``kept``: the trained weights
-    were kept). The steps run under autocast to ``dtype`` unless "float32" (``TRANSFER_DTYPES``; weights, Adam's
+    were kept). The steps run under autocast to ``dtype`` unless "float32" (``AUTOCAST_DTYPES``; weights, Adam's
     state and the loss stay float32)."""
-    if dtype not in TRANSFER_DTYPES:
-        raise ValueError(f"transfer dtype must be one of {TRANSFER_DTYPES}, got {dtype!r}")
+    if dtype not in AUTOCAST_DTYPES:
+        raise ValueError(f"transfer dtype must be one of {AUTOCAST_DTYPES}, got {dtype!r}")
     if epochs < 1 or batch_blocks < 1 or lr <= 0:
         raise ValueError(f"an MLP transfer needs epochs >= 1, batch_blocks >= 1 and lr > 0; got {epochs}, "
                          f"{batch_blocks}, {lr}")
@@ -64,7 +66,7 @@ def transfer_mlp(layer: nn.Module, mlp: nn.Module, batches: list[AttentionBatch]
     before = relative_output_error(layer, batches)
     everything = list(layer.parameters())
     flags = [p.requires_grad for p in everything]
-    autocast = torch.autocast(trained[0].device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    autocast = autocast_to(dtype, trained[0].device)
 
     def step_loss(_index: int, piece: AttentionBatch) -> torch.Tensor:
         with autocast:
