@@ -6,8 +6,8 @@ import dataclasses
 import math
 from dataclasses import field
 
-__all__ = ["option", "JsonRoundTrip", "COMPRESS_CALIB_SAMPLES", "MLA_CALIB_SAMPLES", "MLA_SEQ_LEN", "DEMO_CALIB_SAMPLES",
-           "DEMO_MAX_EVAL_TOKENS", "SHARDING_MODES", "AUTOCAST_CHOICES", "AUTOCAST_DTYPES"]
+__all__ = ["option", "JsonRoundTrip", "COMPRESS_CALIB_SAMPLES", "MLA_CALIB_SAMPLES", "MLA_SEQ_LEN",
+           "DEMO_CALIB_SAMPLES", "DEMO_MAX_EVAL_TOKENS", "SHARDING_MODES", "AUTOCAST_CHOICES", "AUTOCAST_DTYPES"]
 
 # Calibration and evaluation defaults shared by the CLI and the job functions (written once)
 COMPRESS_CALIB_SAMPLES = 64  # blocks of 512 tokens for compress

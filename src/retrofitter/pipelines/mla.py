@@ -186,9 +186,9 @@ MLA_PRESETS: dict[str, dict] = {
                        "2048; the default residual targets, lr 3e-3; the built-in wiki-calib holds 919): SmolLM2-135M "
                        "at KV 0.25x, 25.36 wiki-eval perplexity before healing against 184.67 training-free; healed "
                        "1.260x the original's on the first 4096 tokens, 1.222x on all of wiki-eval and 1.32x at seq "
-                       "2048; 221 s of conversion per layer on 2 AMD EPYC cores in bfloat16 (--transfer-dtype auto), plus "
-                       "the rope-step search over every block (70 s for 128; --rope-step N skips it); at 0.5x healed "
-                       "1.046x on all of wiki-eval (docs/results.md 13d)",
+                       "2048; 221 s of conversion per layer on 2 AMD EPYC cores in bfloat16 (--transfer-dtype "
+                       "auto), plus the rope-step search over every block (70 s for 128; --rope-step N skips it); at "
+                       "0.5x healed 1.046x on all of wiki-eval (docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1,
                    "transfer_context": 2048},
         "calib_samples": 896,

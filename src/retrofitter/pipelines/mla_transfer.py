@@ -285,8 +285,8 @@ def transfer_attention(module: nn.Module, batches: list[AttentionBatch], *, epoc
     """Train every parameter of ``module`` (an ``MLAAttention``) to reproduce ``batches``' targets (module
     docstring); returns {"error_before", "error_after", "steps", "kept", "seconds"} (``kept``: the trained weights
     were kept). The steps run the module's ``execution`` (``TRANSFER_EXECUTIONS``), under autocast to ``dtype`` unless
-    "float32" (``training.AUTOCAST_DTYPES``; the weights, Adam's state and the loss stay float32); the errors before and
-    after are measured with its own execution in its own dtype.
+    "float32" (``config.fields.AUTOCAST_DTYPES``; the weights, Adam's state and the loss stay float32); the errors
+    before and after are measured with its own execution in its own dtype.
 
     With ``kl_weight`` λ > 0 each step also matches the attention weights: the loss is E + λ·KL, KL =
     ``attention_kl`` of the original attention's weights on the batch's reference inputs,
