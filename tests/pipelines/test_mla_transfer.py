@@ -129,21 +129,25 @@ def test_teacher_targets_are_the_original_models_attention_on_its_own_stream(tar
     for index, (mine, theirs) in enumerate(zip(converted_layers, original_layers)):
         inputs = attention_batches(theirs, theirs.self_attn, converted_stream, adapter.cache_kwarg)
         targets = attention_batches(theirs, theirs.self_attn, teacher_stream, adapter.cache_kwarg)
-        gaps = ([t - h for t, h in zip(teacher_stream.hidden, converted_stream.hidden)] if target == "residual"
-                else None)
-        batches = teacher_targets(inputs, targets, gaps)
+        streams = (teacher_stream.hidden, converted_stream.hidden) if target == "residual" else None
+        batches = teacher_targets(inputs, targets, streams)
         scale = float(inputs[0].target.abs().max())
         difference = float((batches[0].target - inputs[0].target).abs().max())
         if index == 0:  # both streams are the embeddings: the targets are the original attention's own outputs
             assert difference <= 1e-5 * scale  # the same float32 computation twice: rounding at most
         else:  # the converted layers before moved the stream far beyond float32 rounding
             assert difference > 1e-3 * scale
+        if target == "residual":  # y_T + (h_T − h), each batch's gap formed on its own
+            gap = teacher_stream.hidden[0] - converted_stream.hidden[0]
+            torch.testing.assert_close(batches[0].target, targets[0].target + gap, rtol=0, atol=0)
         recorded = report["layers"][index]["transfer"]
         assert relative_output_error(mine.self_attn, batches) == pytest.approx(recorded["error_after"], rel=1e-4)
         assert recorded["kept"] and recorded["error_after"] < recorded["error_before"]
         converted_stream, teacher_stream = converted_stream.advance(mine), teacher_stream.advance(theirs)
     with pytest.raises(ValueError, match="numbers of batches"):
         teacher_targets(inputs + inputs, targets)
+    with pytest.raises(ValueError, match="numbers of batches"):
+        teacher_targets(inputs, targets, (teacher_stream.hidden * 2, converted_stream.hidden))
 
 
 def test_transfer_settings_are_checked():
@@ -349,6 +353,18 @@ def test_the_attention_kl_term_lowers_the_kl_and_is_recorded():
     assert trained == pytest.approx(report["layers"][0]["transfer"]["kl_after"], rel=1e-4)
     assert trained < untrained
     assert model.model.layers[0].self_attn.execution == "absorbed"  # the measurement put the serving one back
+    # layer 1: the reference is the original attention on the original model's own stream, not the converted one
+    second, stream = adapter.decoder_layers(original)[1], capture_stream(original, adapter, CALIBRATION, 8)
+    converted_stream, teacher_stream = stream.advance(model.model.layers[0]), stream.advance(first)
+    inputs = attention_batches(second, second.self_attn, converted_stream, adapter.cache_kwarg, targets=False)
+    teacher = attention_batches(second, second.self_attn, teacher_stream, adapter.cache_kwarg)
+    batches = teacher_targets(inputs, teacher, (teacher_stream.hidden, converted_stream.hidden))
+    weights = functools.partial(attention_probabilities, original, second.self_attn)
+    references = reference_weights_at_rows(batches, weights)
+    on_converted = weights(inputs[0].kwargs)[:, :, kl_query_rows(32)]
+    assert float((references[0] - on_converted).abs().max()) > 1e-4
+    recomputed = mean_attention_kl(model.model.layers[1].self_attn, batches, references)
+    assert recomputed == pytest.approx(report["layers"][1]["transfer"]["kl_after"], rel=1e-4)
 
 
 def test_teacher_targets_keep_the_teachers_inputs_as_the_reference_and_split_them():
@@ -360,6 +376,8 @@ def test_teacher_targets_keep_the_teachers_inputs_as_the_reference_and_split_the
     teacher = attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg)
     batch = teacher_targets(inputs, teacher)[0]
     assert batch.reference is teacher[0].kwargs and inputs[0].reference_kwargs is inputs[0].kwargs
+    unreferenced = teacher_targets(inputs, teacher, keep_reference=False)[0]  # no attention-weights term to read it
+    assert unreferenced.reference is None and unreferenced.target is teacher[0].target
     pieces = batch.split(4)
     assert [p.reference["hidden_states"].shape[0] for p in pieces] == [4, 2]
     torch.testing.assert_close(pieces[1].reference["hidden_states"], teacher[0].kwargs["hidden_states"][4:],

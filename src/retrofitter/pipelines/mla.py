@@ -269,24 +269,23 @@ def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter,
 def _transfer_batches(config: MLAConfig, model: nn.Module, index: int, adapter, streams: dict[str, LayerStream]):
     """The transfer's batches for layer ``index`` (still original): inputs from the converted stream, targets as
     ``config.transfer_target`` says, at skipped positions when ``config.transfer_context`` is set (seeded by the
-    layer; pipelines/mla_transfer.py)."""
+    layer; pipelines/mla_transfer.py; the targets are then computed there only)."""
     layer = adapter.decoder_layers(model)[index]
     attention, stream = adapter.attention(layer), streams["stream"]
-    converted = config.transfer_target == "converted"
-    batches = attention_batches(layer, attention, stream, adapter.cache_kwarg, targets=converted)
+    converted, moved = config.transfer_target == "converted", bool(config.transfer_context)
+    batches = attention_batches(layer, attention, stream, adapter.cache_kwarg, targets=converted and not moved)
     teacher = None if converted else attention_batches(layer, attention, streams["teacher_stream"],
-                                                       adapter.cache_kwarg)
-    if config.transfer_context:
+                                                       adapter.cache_kwarg, targets=not moved)
+    if moved:
         generator = torch.Generator().manual_seed(index)
         ids = [skipped_position_ids(h.shape[0], h.shape[1], config.transfer_context, generator)
                for h in stream.hidden]
         move = functools.partial(attention_kwargs_at, model)
         batches = at_positions(batches, ids, move, attention if converted else None)
         teacher = None if converted else at_positions(teacher, ids, move, attention)
-    if not converted:
-        gaps = ([h_t - h for h_t, h in zip(streams["teacher_stream"].hidden, stream.hidden)]
-                if config.transfer_target == "residual" else None)
-        batches = teacher_targets(batches, teacher, gaps)
+    if not converted:  # the teacher's inputs are kept only for the attention-weights term
+        gaps = (streams["teacher_stream"].hidden, stream.hidden) if config.transfer_target == "residual" else None
+        batches = teacher_targets(batches, teacher, gaps, keep_reference=config.transfer_kl > 0)
     return residual_norm_weights(batches, stream.hidden) if config.transfer_weighting == "residual-norm" else batches
 
 

@@ -147,17 +147,27 @@ def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwar
 
 
 def teacher_targets(batches: list[AttentionBatch], teacher: list[AttentionBatch],
-                    residual_gaps: list[torch.Tensor] | None = None) -> list[AttentionBatch]:
+                    residual_streams: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                    keep_reference: bool = True) -> list[AttentionBatch]:
     """``batches``' inputs (the converted stream) with ``teacher``'s targets: the original attention's outputs on
     the original model's stream, y_T = Attn_l(x_T), so the layer also makes up for the drift of the layers before
-    it. With ``residual_gaps`` (per batch h_T − h [b, n, d], the gap of the residual streams entering the layer)
-    the target is y_T + h_T − h: the converted layer's residual after attention, h + MLA(x), lands on the
-    original's, h_T + y_T (pre-norm decoder layers, h + Attn(norm(h)), as every family MLA converts)."""
-    if len(batches) != len(teacher) or (residual_gaps is not None and len(residual_gaps) != len(batches)):
+    it. With ``residual_streams`` (h_T, h: per batch the two residual streams entering the layer, [b, n, d] each)
+    the target is y_T + (h_T − h): the converted layer's residual after attention, h + MLA(x), lands on the
+    original's, h_T + y_T (pre-norm decoder layers, h + Attn(norm(h)), as every family MLA converts). Each
+    batch's gap is formed on its own, so no copy of the whole stream's gap is held at once.
+
+    The teacher's inputs become each batch's ``reference`` (the attention-weights term reads the original's
+    weights there); ``keep_reference`` False leaves it None, freeing one stream's worth of inputs when no term
+    reads them."""
+    if len(batches) != len(teacher) or (residual_streams is not None
+                                        and any(len(h) != len(batches) for h in residual_streams)):
         raise ValueError("teacher targets: the streams hold different numbers of batches")
-    targets = [t.target if residual_gaps is None else t.target + residual_gaps[i].to(t.target)
-               for i, t in enumerate(teacher)]
-    return [AttentionBatch(b.kwargs, y, t.kwargs, b.token_weights) for b, y, t in zip(batches, targets, teacher)]
+    if residual_streams is None:
+        targets = [t.target for t in teacher]
+    else:
+        targets = [t.target + (h_t - h).to(t.target) for t, h_t, h in zip(teacher, *residual_streams)]
+    return [AttentionBatch(b.kwargs, y, t.kwargs if keep_reference else None, b.token_weights)
+            for b, y, t in zip(batches, targets, teacher)]
 
 
 def residual_norm_weights(batches: list[AttentionBatch], hidden: list[torch.Tensor]) -> list[AttentionBatch]:
