@@ -7,6 +7,7 @@ targets are the original model's attention at those positions."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from retrofitter.pipelines import mla as mla_pipeline
 from retrofitter.pipelines.calibration import capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches, attention_kl,
-                                               kl_query_rows, mean_attention_kl, reference_weights_at_rows,
+                                               iter_attention_batches, kl_query_rows, mean_attention_kl, reference_weights_at_rows,
                                                relative_output_error, skipped_position_ids, teacher_targets,
                                                transfer_attention)
 from tiny_models import TINY_VOCAB, strong_tiny
@@ -365,6 +366,53 @@ def test_the_attention_kl_term_lowers_the_kl_and_is_recorded():
     assert float((references[0] - on_converted).abs().max()) > 1e-4
     recomputed = mean_attention_kl(model.model.layers[1].self_attn, batches, references)
     assert recomputed == pytest.approx(report["layers"][1]["transfer"]["kl_after"], rel=1e-4)
+
+
+@pytest.mark.parametrize("kl", [0.0, 1.0])
+def test_a_layers_transfer_holds_its_inputs_and_targets_and_the_teachers_inputs_only_for_the_kl(monkeypatch, kl):
+    """The memory docs/scaling.md states: the batches a layer trains on hold two copies of its n·T·d float32 stream
+    (inputs, targets), three with --transfer-kl (the original's inputs, its reference)."""
+    held = []
+    real = mla_pipeline.transfer_attention
+
+    def recording(module, batches, **kwargs):
+        tensors = [t for b in batches for t in (b.kwargs["hidden_states"], b.target)]
+        tensors += [b.reference["hidden_states"] for b in batches if b.reference is not None]
+        held.append({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors})
+        return real(module, batches, **kwargs)
+
+    monkeypatch.setattr(mla_pipeline, "transfer_attention", recording)
+    model, _ = _convert("llama", epochs=1, transfer_context=200, transfer_kl=kl)
+    copy = CALIBRATION.numel() * model.config.hidden_size * 4
+    assert len(held) == model.config.num_hidden_layers
+    assert all(sum(storages.values()) == (3 if kl else 2) * copy for storages in held)
+
+
+def test_teacher_targets_from_an_iterator_hold_one_teacher_batch_at_a_time():
+    """Fed by ``iter_attention_batches`` (as the pipeline does), each teacher batch's inputs and outputs are freed
+    once its residual target is formed, and the targets equal those from the list."""
+    model = strong_tiny("llama", dtype=torch.float32)
+    adapter = adapter_for(model)
+    layer = adapter.decoder_layers(model)[0]
+    stream = capture_stream(model, adapter, CALIBRATION, 2)  # 3 batches of 2 blocks
+    converted = stream.advance(layer)  # any other stream of the same shapes
+    inputs = attention_batches(layer, layer.self_attn, converted, adapter.cache_kwarg, targets=False)
+    alive = []
+
+    def watched():
+        for batch in iter_attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg):
+            assert all(ref() is None for ref in alive)  # the previous batch's tensors are gone
+            alive[:] = [weakref.ref(batch.kwargs["hidden_states"]), weakref.ref(batch.target)]
+            yield batch
+
+    streams = (stream.hidden, converted.hidden)
+    batches = teacher_targets(inputs, watched(), streams, keep_reference=False)
+    expected = teacher_targets(inputs, attention_batches(layer, layer.self_attn, stream, adapter.cache_kwarg), streams)
+    assert len(batches) == 3 and all(ref() is None for ref in alive)
+    for got, want in zip(batches, expected):
+        torch.testing.assert_close(got.target, want.target, rtol=0, atol=0)  # the same elementwise sums
+    with pytest.raises(ValueError, match="numbers of batches"):
+        teacher_targets(inputs, iter(expected[:2]), streams)
 
 
 def test_teacher_targets_keep_the_teachers_inputs_as_the_reference_and_split_them():

@@ -34,8 +34,9 @@ from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import restore_streams, save_layer_progress
-from .mla_transfer import (TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_positions, attention_batches,
-                           residual_norm_weights, skipped_position_ids, teacher_targets, transfer_attention)
+from .mla_transfer import (TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_position, at_positions, attention_batches,
+                           iter_attention_batches, residual_norm_weights, skipped_position_ids, teacher_targets,
+                           transfer_attention)
 from .mlp_transfer import layer_batches, transfer_mlp
 from .resume import RunDirectory, layer_run_fingerprint
 from .training import resolve_autocast_dtype
@@ -268,21 +269,21 @@ def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter,
 
 def _transfer_batches(config: MLAConfig, model: nn.Module, index: int, adapter, streams: dict[str, LayerStream]):
     """The transfer's batches for layer ``index`` (still original): inputs from the converted stream, targets as
-    ``config.transfer_target`` says, at skipped positions when ``config.transfer_context`` is set (seeded by the
-    layer; pipelines/mla_transfer.py; the targets are then computed there only)."""
+    ``config.transfer_target`` says, at skipped positions (computed there only) when ``config.transfer_context`` is
+    set (seeded by the layer); the original's batches are made and dropped one at a time (docs/scaling.md)."""
     layer = adapter.decoder_layers(model)[index]
     attention, stream = adapter.attention(layer), streams["stream"]
     converted, moved = config.transfer_target == "converted", bool(config.transfer_context)
     batches = attention_batches(layer, attention, stream, adapter.cache_kwarg, targets=converted and not moved)
-    teacher = None if converted else attention_batches(layer, attention, streams["teacher_stream"],
-                                                       adapter.cache_kwarg, targets=not moved)
+    teacher = None if converted else iter_attention_batches(layer, attention, streams["teacher_stream"],
+                                                            adapter.cache_kwarg, targets=not moved)
     if moved:
         generator = torch.Generator().manual_seed(index)
         ids = [skipped_position_ids(h.shape[0], h.shape[1], config.transfer_context, generator)
                for h in stream.hidden]
         move = functools.partial(attention_kwargs_at, model)
         batches = at_positions(batches, ids, move, attention if converted else None)
-        teacher = None if converted else at_positions(teacher, ids, move, attention)
+        teacher = None if converted else (at_position(t, i, move, attention) for t, i in zip(teacher, ids))
     if not converted:  # the teacher's inputs are kept only for the attention-weights term
         gaps = (streams["teacher_stream"].hidden, stream.hidden) if config.transfer_target == "residual" else None
         batches = teacher_targets(batches, teacher, gaps, keep_reference=config.transfer_kl > 0)

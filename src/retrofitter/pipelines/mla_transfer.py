@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -54,9 +54,10 @@ TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a 
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
 __all__ = ["KL_QUERY_STRIDE", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
-           "adam_epochs", "at_positions", "attention_batches", "attention_kl", "batch_output", "kl_query_rows",
-           "mean_attention_kl", "reference_weights_at_rows", "relative_output_error", "residual_norm_weights",
-           "skipped_position_ids", "teacher_targets", "transfer_attention"]
+           "adam_epochs", "at_position", "at_positions", "attention_batches", "attention_kl", "batch_output",
+           "iter_attention_batches", "kl_query_rows", "mean_attention_kl", "reference_weights_at_rows",
+           "relative_output_error", "residual_norm_weights", "skipped_position_ids", "teacher_targets",
+           "transfer_attention"]
 
 
 class _AttentionCalled(Exception):
@@ -107,14 +108,21 @@ def _rows(value, batch: int, start: int, stop: int):
     return value
 
 
-@torch.no_grad()
 def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwarg: str,
                       targets: bool = True) -> list[AttentionBatch]:
     """Per batch of ``stream`` (a ``calibration.LayerStream``): what ``attention`` (inside ``layer``) receives and
     returns when ``layer`` runs on it, without the cache (``cache_kwarg``: the adapter's name for it). The layer
     stops right after the attention (nothing else runs); with ``targets`` False right before it (the batches'
     targets are then None: for inputs whose targets come from elsewhere, ``teacher_targets``)."""
-    batches: list[AttentionBatch] = []
+    return list(iter_attention_batches(layer, attention, stream, cache_kwarg, targets))
+
+
+@torch.no_grad()
+def iter_attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwarg: str,
+                           targets: bool = True) -> Iterator[AttentionBatch]:
+    """``attention_batches`` one batch at a time, each made when asked for: a consumer that keeps only what it
+    derives from a batch holds one batch of it at a time (the hook is removed before each batch is handed on, so
+    the consumer may run ``attention`` itself)."""
 
     def inputs(args, kwargs) -> dict:
         kwargs = dict(kwargs)
@@ -126,48 +134,55 @@ def attention_batches(layer: nn.Module, attention: nn.Module, stream, cache_kwar
 
     def record(_module, args, kwargs, output):
         output = output[0] if isinstance(output, tuple) else output
-        batches.append(AttentionBatch(inputs(args, kwargs), output.detach()))
+        seen.append(AttentionBatch(inputs(args, kwargs), output.detach()))
         raise _AttentionCalled
 
     def record_inputs(_module, args, kwargs):
-        batches.append(AttentionBatch(inputs(args, kwargs), None))
+        seen.append(AttentionBatch(inputs(args, kwargs), None))
         raise _AttentionCalled
 
-    handle = (attention.register_forward_hook(record, with_kwargs=True) if targets else
-              attention.register_forward_pre_hook(record_inputs, with_kwargs=True))
-    try:
-        for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
-            try:
-                layer(hidden, **kwargs)
-            except _AttentionCalled:
-                pass
-    finally:
-        handle.remove()
-    return batches
+    for hidden, kwargs in zip(stream.hidden, stream.layer_kwargs):
+        seen: list[AttentionBatch] = []
+        handle = (attention.register_forward_hook(record, with_kwargs=True) if targets else
+                  attention.register_forward_pre_hook(record_inputs, with_kwargs=True))
+        try:
+            layer(hidden, **kwargs)
+        except _AttentionCalled:
+            pass
+        finally:
+            handle.remove()
+        yield seen[0]
 
 
-def teacher_targets(batches: list[AttentionBatch], teacher: list[AttentionBatch],
+def teacher_targets(batches: list[AttentionBatch], teacher: Iterable[AttentionBatch],
                     residual_streams: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
                     keep_reference: bool = True) -> list[AttentionBatch]:
     """``batches``' inputs (the converted stream) with ``teacher``'s targets: the original attention's outputs on
     the original model's stream, y_T = Attn_l(x_T), so the layer also makes up for the drift of the layers before
     it. With ``residual_streams`` (h_T, h: per batch the two residual streams entering the layer, [b, n, d] each)
     the target is y_T + (h_T − h): the converted layer's residual after attention, h + MLA(x), lands on the
-    original's, h_T + y_T (pre-norm decoder layers, h + Attn(norm(h)), as every family MLA converts). Each
-    batch's gap is formed on its own, so no copy of the whole stream's gap is held at once.
+    original's, h_T + y_T (pre-norm decoder layers, h + Attn(norm(h)), as every family MLA converts).
 
     The teacher's inputs become each batch's ``reference`` (the attention-weights term reads the original's
-    weights there); ``keep_reference`` False leaves it None, freeing one stream's worth of inputs when no term
-    reads them."""
-    if len(batches) != len(teacher) or (residual_streams is not None
-                                        and any(len(h) != len(batches) for h in residual_streams)):
-        raise ValueError("teacher targets: the streams hold different numbers of batches")
-    if residual_streams is None:
-        targets = [t.target for t in teacher]
-    else:
-        targets = [t.target + (h_t - h).to(t.target) for t, h_t, h in zip(teacher, *residual_streams)]
-    return [AttentionBatch(b.kwargs, y, t.kwargs if keep_reference else None, b.token_weights)
-            for b, y, t in zip(batches, targets, teacher)]
+    weights there); ``keep_reference`` False leaves it None. ``teacher`` may be an iterator
+    (``iter_attention_batches``): each of its batches is then dropped once its target is formed, so beside the
+    converted batches the teacher holds a batch or two at a time, not its whole stream."""
+    mismatch = ValueError("teacher targets: the streams hold different numbers of batches")
+    if residual_streams is not None and any(len(h) != len(batches) for h in residual_streams):
+        raise mismatch
+    teacher, out = iter(teacher), []
+    for i, b in enumerate(batches):
+        t = next(teacher, None)
+        if t is None:
+            raise mismatch
+        y = t.target
+        if residual_streams is not None:  # y_T + (h_T − h)
+            y = y + (residual_streams[0][i] - residual_streams[1][i]).to(y)
+        out.append(AttentionBatch(b.kwargs, y, t.kwargs if keep_reference else None, b.token_weights))
+        del t  # before the iterator makes the next teacher batch
+    if next(teacher, None) is not None:
+        raise mismatch
+    return out
 
 
 def residual_norm_weights(batches: list[AttentionBatch], hidden: list[torch.Tensor]) -> list[AttentionBatch]:
@@ -193,22 +208,26 @@ def skipped_position_ids(rows: int, length: int, context: int, generator: torch.
     return ids + skip * (ids >= cut)
 
 
-@torch.no_grad()
 def at_positions(batches: list[AttentionBatch], position_ids: list[torch.Tensor],
                  with_positions: Callable[[dict, torch.Tensor], dict],
                  attention: nn.Module | None = None) -> list[AttentionBatch]:
-    """``batches`` moved to ``position_ids`` (per batch [b, n]): ``with_positions(kwargs, ids)`` (the adapter's)
-    gives the attention's keyword arguments at those positions; with ``attention`` (the original) the targets are
-    its outputs there, else the targets are kept (None for inputs whose targets come from elsewhere)."""
+    """``batches`` moved to ``position_ids`` (per batch [b, n]; ``at_position`` each)."""
     if len(batches) != len(position_ids):
         raise ValueError(f"{len(batches)} batches but {len(position_ids)} position-id tensors")
-    moved = []
-    for batch, ids in zip(batches, position_ids):
-        kwargs = with_positions(batch.kwargs, ids)
-        target = batch.target if attention is None else batch_output(attention, AttentionBatch(kwargs, None)).detach()
-        reference = None if batch.reference is None else with_positions(batch.reference, ids)
-        moved.append(AttentionBatch(kwargs, target, reference, batch.token_weights))
-    return moved
+    return [at_position(batch, ids, with_positions, attention) for batch, ids in zip(batches, position_ids)]
+
+
+@torch.no_grad()
+def at_position(batch: AttentionBatch, position_ids: torch.Tensor,
+                with_positions: Callable[[dict, torch.Tensor], dict],
+                attention: nn.Module | None = None) -> AttentionBatch:
+    """``batch`` moved to ``position_ids`` [b, n]: ``with_positions(kwargs, ids)`` (the adapter's) gives the
+    attention's keyword arguments at those positions; with ``attention`` (the original) the target is its output
+    there, else the target is kept (None for inputs whose targets come from elsewhere)."""
+    kwargs = with_positions(batch.kwargs, position_ids)
+    target = batch.target if attention is None else batch_output(attention, AttentionBatch(kwargs, None)).detach()
+    reference = None if batch.reference is None else with_positions(batch.reference, position_ids)
+    return AttentionBatch(kwargs, target, reference, batch.token_weights)
 
 
 def batch_output(module: nn.Module, batch: AttentionBatch) -> torch.Tensor:
