@@ -56,6 +56,7 @@ def test_transfer_lowers_every_layers_output_error_and_reports_it(family, dtype,
         transfer = layer["transfer"]
         assert transfer["steps"] == 20 * 3  # 6 blocks in pieces of 2
         assert transfer["kept"] and transfer["error_after"] < 0.9 * transfer["error_before"], transfer
+    assert all(p.grad is None for p in model.parameters())  # no gradient outlives the transfer
     for module in model.modules():  # trained in the transfer's execution, served in the absorbed one, float32
         if isinstance(module, MLAAttention):
             assert module.execution == "absorbed"

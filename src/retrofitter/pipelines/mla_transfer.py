@@ -290,7 +290,8 @@ def relative_output_error(module: nn.Module, batches: list[AttentionBatch]) -> f
 def adam_epochs(parameters: list[nn.Parameter], pieces: list[AttentionBatch],
                 step_loss: Callable[[int, AttentionBatch], torch.Tensor], *, epochs: int, lr: float, seed: int) -> int:
     """Adam on ``parameters``: ``epochs`` passes over ``pieces`` in a seeded order, one step per piece on
-    ``step_loss(index, piece)``, learning rate ``lr`` with cosine decay to 0. Returns the number of steps."""
+    ``step_loss(index, piece)``, learning rate ``lr`` with cosine decay to 0; the gradients are freed at the end.
+    Returns the number of steps."""
     optimizer = torch.optim.Adam(parameters, lr=lr)
     generator = torch.Generator().manual_seed(seed)
     steps, total = 0, epochs * len(pieces)
@@ -304,6 +305,7 @@ def adam_epochs(parameters: list[nn.Parameter], pieces: list[AttentionBatch],
                 loss.backward()
                 optimizer.step()
                 steps += 1
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients would outlive the transfer, a copy of the weights
     return steps
 
 
