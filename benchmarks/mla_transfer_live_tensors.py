@@ -22,19 +22,15 @@ import torch
 from common import machine_info
 
 from retrofitter.api import evaluation_blocks, load_model
+from retrofitter.eval.bench import cache_nbytes
 from retrofitter.pipelines import mla as mla_pipeline
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every tensor ``gc`` tracks (after a collection)."""
+    """Bytes of the distinct storages of every tensor ``gc`` tracks, after a collection (``cache_nbytes``' walk)."""
     gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return cache_nbytes([obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)])
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ Skipped positions (PoSE, Zhu et al. 2023; ``skipped_position_ids``, ``at_positio
 shows the transfer distances below n, and an MLA layer keeps RoPE on a few frequencies only, so what it learns
 there need not hold further away (the converted SmolLM2-135M's loss rises past token 512 when trained on blocks
 of 512). With a target context L > n each block gets the positions 0 … c − 1, c + u … n − 1 + u (cut c, skip u
-drawn per block), so pairs across the cut sit up to L − 1 apart; the original attention is run again on those
-positions for the target, and both sides see the same rotary tables.
+drawn per block), so pairs across the cut sit up to L − 1 apart; the targets are the original attention run at
+those positions (not at the block's own), and both sides see the same rotary tables.
 """
 
 from __future__ import annotations
