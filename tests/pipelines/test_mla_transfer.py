@@ -389,6 +389,24 @@ def test_a_layers_transfer_holds_its_inputs_and_targets_and_the_teachers_inputs_
     assert all(sum(storages.values()) == (3 if kl else 2) * copy for storages in held)
 
 
+def test_each_layer_hands_the_freed_heap_back_after_its_transfer_data_is_gone(monkeypatch):
+    """RSS would otherwise creep from layer to layer (glibc keeps freed blocks): the heap is released once per layer,
+    after that layer's inputs and targets are freed."""
+    targets, released = [], []
+    real = mla_pipeline.transfer_attention
+
+    def recording(module, batches, **kwargs):
+        targets.append(weakref.ref(batches[0].target))
+        return real(module, batches, **kwargs)
+
+    monkeypatch.setattr(mla_pipeline, "transfer_attention", recording)
+    monkeypatch.setattr(mla_pipeline, "release_free_heap_memory",
+                        lambda: released.append((len(targets), all(t() is None for t in targets))))
+    model, _ = _convert("llama", epochs=1)
+    layers = model.config.num_hidden_layers
+    assert released == [(index + 1, True) for index in range(layers)]
+
+
 def test_teacher_targets_from_an_iterator_hold_one_teacher_batch_at_a_time():
     """Fed by ``iter_attention_batches`` (as the pipeline does), each teacher batch's inputs and outputs are freed
     once its residual target is formed, and the targets equal those from the list."""

@@ -29,6 +29,7 @@ from ..adapters.registry import adapter_for
 from ..config import JsonRoundTrip, option
 from ..config.fields import AUTOCAST_CHOICES
 from ..data.blocks import with_repeated_spans
+from ..eval.resources import release_free_heap_memory
 from ..linalg.mla import SLOT_SELECTIONS, mla_budget, mla_factors, progression_totals, slot_scores
 from ..linalg.mla_rotation_fit import RotationFitStatistics
 from ..modules.latent_linear import LatentLinear
@@ -259,10 +260,9 @@ def _restore(run_dir: RunDirectory, state: dict, model: nn.Module, adapter,
     """The layers a previous run finished, rebuilt from the work directory, and the streams (file name -> stream)
     leaving the last one."""
     layers = adapter.decoder_layers(model)
-    for index in range(state["layers_done"]):
-        layer = layers[index]
-        spec = state["reports"][index]["spec"]
-        adapter.set_attention(layer, rebuild_mla_attention(spec, adapter.attention(layer), model))
+    for index, layer in enumerate(layers[:state["layers_done"]]):
+        adapter.set_attention(layer, rebuild_mla_attention(state["reports"][index]["spec"], adapter.attention(layer),
+                                                           model))
         layer.load_state_dict(run_dir.load_tensors(f"layer_{index}"))
     return restore_streams(run_dir, streams)
 
@@ -387,6 +387,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                  module.freq_index.tolist(), transfer)
         if run_dir is not None:  # the layer, the stream leaving it, the reports (each with its spec and step)
             save_layer_progress(run_dir, index, layer, streams, reports)
+        release_free_heap_memory()  # the freed targets and streams: glibc keeps most of them otherwise (RSS creeps)
     if run_dir is not None and remove_checkpoint:
         run_dir.remove()
     original = 2 * layout.n_kv_heads * layout.head_dim
