@@ -17,7 +17,7 @@ from retrofitter.adapters.registry import adapter_for
 from retrofitter.data.blocks import with_repeated_spans
 from retrofitter.modules.mla_attention import MLAAttention
 from retrofitter.pipelines import mla as mla_pipeline
-from retrofitter.pipelines.calibration import capture_stream
+from retrofitter.pipelines.calibration import LayerStream, capture_stream
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from retrofitter.pipelines.mla_transfer import (AttentionBatch, at_positions, attention_batches, attention_kl,
                                                iter_attention_batches, kl_query_rows, mean_attention_kl, reference_weights_at_rows,
@@ -405,6 +405,39 @@ def test_each_layer_hands_the_freed_heap_back_after_its_transfer_data_is_gone(mo
     model, _ = _convert("llama", epochs=1)
     layers = model.config.num_hidden_layers
     assert released == [(index + 1, True) for index in range(layers)]
+
+
+@pytest.mark.parametrize("kl", [0.0, 1.0])
+def test_the_teacher_stream_advances_in_place_and_converts_the_same_model(monkeypatch, kl):
+    """Past layer 0 the original model's stream goes through its layer in place: each old batch is freed as its
+    output replaces it (nothing else holds it, the KL reference included), so the layer's peak holds no third
+    stream beside its inputs and targets; the converted model is the one plain ``advance`` gives."""
+    freed = []
+    real = LayerStream.advance_in_place
+
+    def checking(self, layer):
+        old = [weakref.ref(h) for h in self.hidden]
+        out = real(self, layer)
+        freed.append(all(r() is None for r in old))
+        return out
+
+    monkeypatch.setattr(LayerStream, "advance_in_place", checking)
+    model, _ = _convert("llama", epochs=1, transfer_kl=kl)
+    assert freed == [True] * (model.config.num_hidden_layers - 1)
+    monkeypatch.setattr(LayerStream, "advance_in_place", LayerStream.advance)
+    plain, _ = _convert("llama", epochs=1, transfer_kl=kl)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+
+
+def test_advance_in_place_is_advance():
+    model = strong_tiny("llama", dtype=torch.float32)
+    adapter = adapter_for(model)
+    stream = capture_stream(model, adapter, CALIBRATION, 4)  # batches of 4 and 2 blocks
+    layer = adapter.decoder_layers(model)[0]
+    expected = stream.advance(layer)
+    hidden = stream.hidden
+    assert stream.advance_in_place(layer) is stream and stream.hidden is hidden  # the same list, new tensors
+    assert all(torch.equal(a, b) for a, b in zip(stream.hidden, expected.hidden)) and len(hidden) == 2
 
 
 def test_teacher_targets_from_an_iterator_hold_one_teacher_batch_at_a_time():

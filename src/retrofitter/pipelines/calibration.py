@@ -36,6 +36,14 @@ class LayerStream:
         return LayerStream(outputs, self.layer_kwargs, self.token_count)
 
     @torch.no_grad()
+    def advance_in_place(self, layer: nn.Module) -> "LayerStream":
+        """``advance``, each batch's output replacing its input as it is made: one batch more than the stream at
+        the peak instead of a second stream. Only for a stream nothing else reads (no other stream shares it)."""
+        for index, kwargs in enumerate(self.layer_kwargs):
+            self.hidden[index] = _layer_output(layer(self.hidden[index], **kwargs))
+        return self
+
+    @torch.no_grad()
     def run(self, layer: nn.Module) -> None:
         """Run ``layer`` over every batch for its side effects (forward hooks); outputs are dropped."""
         for h, kw in zip(self.hidden, self.layer_kwargs):

@@ -202,8 +202,7 @@ MLA_PRESETS: dict[str, dict] = {
                        "(1.62x; quality 1.26x); 83 s of conversion per layer on 2 Intel Xeon cores in float32 "
                        "(docs/results.md 13d)",
         "config": {"transfer_epochs": 4, "transfer_lr": 3e-3, "transfer_target": "residual", "transfer_batch": 1},
-        "calib_samples": 64,
-        "seq_len": 2048,
+        "calib_samples": 64, "seq_len": 2048,
     },
 }
 
@@ -361,8 +360,9 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                               metric=config.kv_metric, W_o=adapter.get_linear(layer, "o").weight, rope_step=step,
                               rotation_fit=fit)
         batches = _transfer_batches(config, model, index, adapter, streams) if config.transfer_epochs else None
-        if "teacher_stream" in streams:  # through the original layer, before its attention is replaced
-            streams["teacher_stream"] = streams["teacher_stream"].advance(layer)
+        if "teacher_stream" in streams:  # through the original layer, before its attention is replaced; in place
+            teacher = streams["teacher_stream"]  # (no third stream beside the batches) unless it is still `stream`
+            streams["teacher_stream"] = teacher.advance(layer) if teacher is stream else teacher.advance_in_place(layer)
         original = adapter.attention(layer)
         module = mla_attention_from_factors(original, model, factors)
         adapter.set_attention(layer, module)
