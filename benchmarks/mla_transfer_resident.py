@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--transfer-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms to run, each in a fresh process")
     parser.add_argument("--arm", choices=ARMS, help="run one arm in this process and print its record (internal)")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -79,7 +80,7 @@ def main() -> None:
         print(json.dumps(run_arm(args)))
         return
     record = {"settings": vars(args), "machine": machine_info(), "arms": {}}
-    for arm in ARMS:  # a fresh process each: what the allocator holds depends on everything the process did
+    for arm in args.arms.split(","):  # a fresh process each: what the allocator holds depends on everything the process did
         out = subprocess.run([sys.executable, *sys.argv, "--arm", arm], check=True, capture_output=True, text=True)
         record["arms"][arm] = json.loads(out.stdout.strip().splitlines()[-1])
         peaks = record["arms"][arm]["peak_resident_mib_per_layer"]
