@@ -1,21 +1,24 @@
 """Checks every job makes before any work: outputs that may be written and replaced, inputs no output may
 touch, work directories that are retrofitter's own, sequence lengths the model was trained for, a teacher
-that fits the student. Each failure is one line naming the flag or file (docs/failure-modes.md)."""
+that fits the student, the memory an ``mla`` run's calibration stream takes. Each failure is one line naming
+the flag or file (docs/failure-modes.md)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from .adapters.registry import adapter_for
 from .checkpoint import (RETROFITTER_JSON, check_separate_paths, check_writable, is_retrofitted_dir,
                          prepare_output_dir, read_retrofitter_json)
 from .config import EvalConfig
 from .data.corpora import check_corpus
 from .data.models import check_model_name, resolve_model_source
+from .eval.resources import available_memory_bytes
 from .pipelines.resume import check_work_dir
 
 __all__ = ["partial_dir", "heal_dir", "check_outputs", "check_context", "eval_lengths", "check_teacher",
-           "checked_original", "original_model_of"]
+           "checked_original", "original_model_of", "mla_stream_copies", "check_mla_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,29 @@ def check_context(model, lengths: dict) -> None:
         if limit and tokens and tokens > limit:
             raise ValueError(f"{flag} {tokens} exceeds the model's max_position_embeddings ({limit}): positions "
                              f"beyond it were never trained; use at most {limit}")
+
+
+def mla_stream_copies(config) -> int:
+    """Copies of the calibration stream [n, T, d] that ``retrofitter mla`` holds at a layer's peak
+    (docs/scaling.md): without a transfer the stream entering the layer and the one leaving it; with one the stream,
+    the original model's h_T (for the ``teacher`` and ``residual`` targets or an MLP transfer), the layer's inputs
+    and targets, and with ``--transfer-kl`` and the original's targets its inputs as well."""
+    if not config.transfer_epochs:
+        return 2
+    teacher = config.transfer_target != "converted" or bool(config.mlp_transfer_lr)
+    return 1 + teacher + 2 + (config.transfer_kl > 0 and config.transfer_target != "converted")
+
+
+def check_mla_memory(config, model, calibration) -> None:
+    """Refuse, before any work, an ``mla`` run whose calibration activations alone (``mla_stream_copies`` copies of
+    n·T·d numbers in the model's dtype) exceed the memory free on the model's device."""
+    weight = next(model.parameters())
+    copy = calibration.numel() * adapter_for(model).text_config(model).hidden_size * weight.element_size()
+    need, free = mla_stream_copies(config) * copy, available_memory_bytes(weight.device)
+    if need > free:
+        raise ValueError(f"--calib-samples {calibration.shape[0]} of {calibration.shape[1]} tokens: mla would hold "
+                         f"{mla_stream_copies(config)} copies of the calibration stream, {need / 2**30:.2f} GiB, and "
+                         f"{weight.device} has {free / 2**30:.2f} GiB free (docs/scaling.md); lower --calib-samples")
 
 
 def eval_lengths(eval_config: EvalConfig, flag: str = "--eval-seq-len") -> dict:

@@ -9,7 +9,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["current_rss_mb", "peak_rss_mb", "release_free_heap_memory", "sampled_rss", "timed"]
+__all__ = ["available_memory_bytes", "current_rss_mb", "peak_rss_mb", "release_free_heap_memory", "sampled_rss",
+           "timed"]
 
 RSS_SAMPLE_INTERVAL_S = 0.002
 
@@ -25,6 +26,19 @@ def current_rss_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
+
+
+def available_memory_bytes(device) -> int:
+    """Memory a new allocation on ``device`` can take now: a CUDA device's free memory, else the host's available
+    memory (``psutil``: free plus reclaimable page cache)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from ..api import convert_to_mla, evaluate_record
 from ..config import MLA_CALIB_SAMPLES, MLA_SEQ_LEN, EvalConfig
 from ..data.corpora import check_corpus
 from ..eval.accounting import account
-from ..preflight import eval_lengths, partial_dir
+from ..preflight import check_mla_memory, eval_lengths, partial_dir
 from .compress import corpus_calibration_blocks
 from .scaffold import NO_EVAL, OutputJob, load_checked
 
@@ -34,6 +34,7 @@ def mla_job(model_name: str, out, config, eval_config: EvalConfig = NO_EVAL, *, 
                                         dtype=dtype, device=device)
         before = account(model)
         calibration = corpus_calibration_blocks(tokenizer, calib, seq_len, calib_samples)
+        check_mla_memory(config, model, calibration)
         # resumable layer by layer in OUT's partial directory, removed once OUT is saved
         model, report = convert_to_mla(model, config, calibration, progress=progress,
                                        checkpoint_dir=partial_dir(job.out), remove_checkpoint=False)
