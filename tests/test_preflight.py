@@ -9,6 +9,7 @@ import torch
 
 from retrofitter import preflight
 from retrofitter.cli import main
+from retrofitter.eval.bench import cache_nbytes
 from retrofitter.pipelines import mla as mla_pipeline
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from tiny_models import SAMPLE_TEXT, TINY_VOCAB, save_tiny_model_dir, strong_tiny
@@ -19,10 +20,8 @@ CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().
 def _stream_storages(hidden: int, length: int) -> int:
     """Bytes of the distinct storages of every live float32 tensor shaped like a stream batch [b, length, hidden]."""
     gc.collect()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-                if type(t) is torch.Tensor and t.dim() == 3 and t.shape[1:] == (length, hidden)
-                and t.dtype == torch.float32}
-    return sum(storages.values())
+    return cache_nbytes([t for t in gc.get_objects() if type(t) is torch.Tensor and t.dim() == 3
+                         and t.shape[1:] == (length, hidden) and t.dtype == torch.float32])
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(transfer_kl=1.0), dict(transfer_target="teacher"),

@@ -15,6 +15,7 @@ from .config import EvalConfig
 from .data.corpora import check_corpus
 from .data.models import check_model_name, resolve_model_source
 from .eval.resources import available_memory_bytes
+from .pipelines.mla_transfer import carries_original_stream
 from .pipelines.resume import check_work_dir
 
 __all__ = ["partial_dir", "heal_dir", "check_outputs", "check_context", "eval_lengths", "check_teacher",
@@ -66,8 +67,7 @@ def mla_stream_copies(config) -> int:
     and targets, and with ``--transfer-kl`` and the original's targets its inputs as well."""
     if not config.transfer_epochs:
         return 2
-    teacher = config.transfer_target != "converted" or bool(config.mlp_transfer_lr)
-    return 1 + teacher + 2 + (config.transfer_kl > 0 and config.transfer_target != "converted")
+    return 1 + carries_original_stream(config) + 2 + (config.transfer_kl > 0 and config.transfer_target != "converted")
 
 
 def check_mla_memory(config, model, calibration) -> None:

@@ -426,6 +426,8 @@ def test_the_teacher_stream_advances_in_place_and_converts_the_same_model(monkey
     assert freed == [True] * (model.config.num_hidden_layers - 1)
     monkeypatch.setattr(LayerStream, "advance_in_place", LayerStream.advance)
     plain, _ = _convert("llama", epochs=1, transfer_kl=kl, mlp_transfer_lr=1e-3)
+    # equal by construction: `advance` runs `advance_in_place`'s function on a new list, so both runs execute the
+    # same operations on the same values in one process (the premise of the resume test's atol=0 as well)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
 
 
@@ -437,7 +439,10 @@ def test_advance_in_place_is_advance():
     expected = stream.advance(layer)
     hidden = stream.hidden
     assert stream.advance_in_place(layer) is stream and stream.hidden is hidden  # the same list, new tensors
+    # the same function on the same tensors (both run `_replace_by_outputs`, advance on a new list): equal by
+    # construction
     assert all(torch.equal(a, b) for a, b in zip(stream.hidden, expected.hidden)) and len(hidden) == 2
+    assert expected.hidden is not hidden  # advance leaves its own stream's list alone
 
 
 def test_teacher_targets_from_an_iterator_hold_one_teacher_batch_at_a_time():

@@ -31,16 +31,17 @@ class LayerStream:
 
     @torch.no_grad()
     def advance(self, layer: nn.Module) -> "LayerStream":
-        """The stream leaving ``layer`` (HF's own decoder-layer forward)."""
-        outputs = [_layer_output(layer(h, **kw)) for h, kw in zip(self.hidden, self.layer_kwargs)]
-        return LayerStream(outputs, self.layer_kwargs, self.token_count)
+        """The stream leaving ``layer`` (HF's own decoder-layer forward), a new stream; this one is kept. The same
+        computation as ``advance_in_place`` (``_replace_by_outputs``), on a new list."""
+        return LayerStream(_replace_by_outputs(layer, list(self.hidden), self.layer_kwargs), self.layer_kwargs,
+                           self.token_count)
 
     @torch.no_grad()
     def advance_in_place(self, layer: nn.Module) -> "LayerStream":
-        """``advance``, each batch's output replacing its input as it is made: one batch more than the stream at
-        the peak instead of a second stream. Only for a stream nothing else reads (no other stream shares it)."""
-        for index, kwargs in enumerate(self.layer_kwargs):
-            self.hidden[index] = _layer_output(layer(self.hidden[index], **kwargs))
+        """The stream leaving ``layer``, each batch's output replacing its input in this stream's list as it is
+        made: one batch more than the stream at the peak instead of a second stream. Only for a stream whose list
+        no other stream shares."""
+        _replace_by_outputs(layer, self.hidden, self.layer_kwargs)
         return self
 
     @torch.no_grad()
@@ -51,6 +52,14 @@ class LayerStream:
 
     def clone(self) -> "LayerStream":
         return LayerStream([h.clone() for h in self.hidden], self.layer_kwargs, self.token_count)
+
+
+def _replace_by_outputs(layer: nn.Module, hidden: list[torch.Tensor], layer_kwargs: list[dict]) -> list[torch.Tensor]:
+    """``hidden`` with each batch replaced by ``layer``'s output on it, in place (each input freed once replaced
+    unless another list holds it); ``advance`` and ``advance_in_place`` both run this."""
+    for index, kwargs in enumerate(layer_kwargs):
+        hidden[index] = _layer_output(layer(hidden[index], **kwargs))
+    return hidden
 
 
 def _layer_output(output):

@@ -36,8 +36,8 @@ from ..modules.latent_linear import LatentLinear
 from .calibration import LayerStream, capture_stream, collect_input_moments, layer_inputs
 from .layer_checkpoint import restore_streams, save_layer_progress
 from .mla_transfer import (TRANSFER_EXECUTIONS, TRANSFER_TARGETS, at_position, at_positions, attention_batches,
-                           iter_attention_batches, residual_norm_weights, skipped_position_ids, teacher_targets,
-                           transfer_attention)
+                           carries_original_stream, iter_attention_batches, residual_norm_weights,
+                           skipped_position_ids, teacher_targets, transfer_attention)
 from .mlp_transfer import layer_batches, transfer_mlp
 from .resume import RunDirectory, layer_run_fingerprint
 from .training import resolve_autocast_dtype
@@ -335,7 +335,7 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
         step = config.rope_step or shared_progression_step(model, config, calibration, rope_dim // 2, progress)
     stream = capture_stream(model, adapter, calibration, config.batch_size)
     streams = {"stream": stream}  # with teacher targets also the original model's stream, advanced alongside
-    if config.transfer_epochs and (config.transfer_target != "converted" or config.mlp_transfer_lr):
+    if carries_original_stream(config):
         streams["teacher_stream"] = stream
     reports, done = [], 0
     if state is not None:

@@ -54,7 +54,7 @@ TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a 
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
 __all__ = ["KL_QUERY_STRIDE", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
-           "adam_epochs", "at_position", "at_positions", "attention_batches", "attention_kl", "batch_output",
+           "adam_epochs", "at_position", "carries_original_stream", "at_positions", "attention_batches", "attention_kl", "batch_output",
            "iter_attention_batches", "kl_query_rows", "mean_attention_kl", "reference_weights_at_rows",
            "relative_output_error", "residual_norm_weights", "skipped_position_ids", "teacher_targets",
            "transfer_attention"]
@@ -194,6 +194,12 @@ def residual_norm_weights(batches: list[AttentionBatch], hidden: list[torch.Tens
         raise ValueError(f"{len(batches)} batches but {len(hidden)} hidden-state tensors")
     return [AttentionBatch(b.kwargs, b.target, b.reference,
                            1.0 / h.double().pow(2).sum(-1).clamp_min(1e-300).float()) for b, h in zip(batches, hidden)]
+
+
+def carries_original_stream(config) -> bool:
+    """Whether an MLA conversion (``MLAConfig``) carries the original model's stream h_T beside its own: a transfer
+    whose target reads it (``teacher``, ``residual``) or an MLP transfer, which learns the original's layer output."""
+    return bool(config.transfer_epochs) and (config.transfer_target != "converted" or bool(config.mlp_transfer_lr))
 
 
 def skipped_position_ids(rows: int, length: int, context: int, generator: torch.Generator) -> torch.Tensor:
