@@ -4,7 +4,9 @@ the fixture builds it when it is missing: these tests never skip).
 Claims: the build is pinned and cached; a tiny model converted to MLA exports to a ``deepseek2`` GGUF that
 llama.cpp loads, scores and generates with; llama-perplexity's number equals ``reference_perplexity`` of the
 PyTorch model (the same windows and scored positions) for the MLA export and for an unconverted model's
-GGUF (its own architecture), which checks the GGUF layout and the scoring rule at once."""
+GGUF (its own architecture), which checks the GGUF layout and the scoring rule at once; so do the per-window NLLs
+recovered from its running estimate; the cache llama.cpp allocates, f32 or quantized, is the size
+``cache_bytes_per_token`` gives (an MLA cache holds the latent and the rotary key, nothing for V)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import transformers
 import retrofitter
 from retrofitter.engines.llama_cpp import (LLAMA_CPP_TOOLS, SDIST_SHA256, build_llama_cpp, llama_cpp_dir,
                                            llama_cpp_tool)
-from retrofitter.eval.llama_cpp import (gguf_bos_id, gguf_metadata, llama_generate, llama_perplexity,
-                                        reference_perplexity, text_ids)
+from retrofitter.eval.llama_cpp import (cache_bytes_per_token, gguf_bos_id, gguf_metadata, llama_generate,
+                                        llama_perplexity, reference_perplexity, text_ids)
 from retrofitter.pipelines.export import export_gguf
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 
@@ -40,9 +42,9 @@ def tokenizer():
     return retrofitter.load_tokenizer("smollm2-135m")  # a BPE vocabulary llama.cpp's converter recognises
 
 
-def _tiny(tokenizer) -> transformers.PreTrainedModel:
+def _tiny(tokenizer, hidden_size: int = 64) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
                                       tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
@@ -93,5 +95,41 @@ def test_gguf_scores_in_llama_cpp_as_the_model_does(llama_cpp, tokenizer, tmp_pa
     # perplexity by ~1e-5 relative; a wrong layout (a permuted rotary pair, a lost scale) moves it by far more
     # than the 1e-3 allowed
     assert theirs["ppl"] == pytest.approx(ours["ppl"], rel=1e-3)
+    # per window: the same rounding, plus the running estimate's 4 printed decimals (chunk_nlls: < 1e-4 nats here)
+    assert theirs["chunk_nll"] == pytest.approx(ours["chunk_nll"], abs=2e-3)
+    _assert_cache_size(theirs["kv_cache"], meta, "f32", mla=convert)
     generated = llama_generate(tmp_path / "model.gguf", "The river", 8)
     assert generated.strip()  # it generated text (exact greedy agreement is checked on the real model)
+
+
+def _assert_cache_size(kv: dict, meta: dict, cache_type: str, mla: bool) -> None:
+    """llama.cpp's logged allocation (MiB to 2 decimals) against cells × ``cache_bytes_per_token``."""
+    assert kv["k_type"] == kv["v_type"] == cache_type
+    expected = kv["cells"] * cache_bytes_per_token(meta, cache_type)
+    assert abs(kv["mib"] * 2**20 - expected) <= 0.00501 * 2**20  # printed to 0.01 MiB (0.125 prints as 0.12)
+    if mla:
+        assert kv["v_mib"] == 0.0  # V is a view of the latent in K
+    else:
+        assert kv["k_mib"] == kv["v_mib"] > 0
+
+
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("convert", [True, False], ids=["mla-deepseek2", "original-llama"])
+def test_a_quantized_cache_is_the_size_it_is_counted_at(llama_cpp, tokenizer, tmp_path, convert, cache_type):
+    model = _tiny(tokenizer, hidden_size=128)  # head_dim 32: llama.cpp quantizes whole blocks of 32 per head
+    if convert:
+        calibration = torch.randint(0, len(tokenizer), (4, 64), generator=torch.Generator().manual_seed(1))
+        convert_to_mla(model, MLAConfig(kv_ratio=0.5, rope_fraction=0.5, rope_selection="progression"),
+                       calibration, progress=False)
+    export_gguf(model, tmp_path / "model.gguf", tokenizer, progress=False, verify=False)
+    meta = gguf_metadata(tmp_path / "model.gguf")
+    (tmp_path / "text.txt").write_text(TEXT)
+    exact = llama_perplexity(tmp_path / "model.gguf", tmp_path / "text.txt", N_CTX, threads=2, flash_attn="on")
+    quantized = llama_perplexity(tmp_path / "model.gguf", tmp_path / "text.txt", N_CTX, threads=2,
+                                 cache_type=cache_type, flash_attn="on")
+    _assert_cache_size(quantized["kv_cache"], meta, cache_type, mla=convert)
+    # MLA: a latent of 32 and a rotary key of 32 per token (the value is the latent: 32); original: 2 heads of 32
+    assert cache_bytes_per_token(meta, cache_type) < cache_bytes_per_token(meta, "f16") / 1.8
+    # the cache is really quantized (the scores move) and still holds the keys (the model still reads its text)
+    assert quantized["ppl"] != exact["ppl"]
+    assert quantized["ppl"] == pytest.approx(exact["ppl"], rel=0.2)

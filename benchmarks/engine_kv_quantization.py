@@ -1,0 +1,151 @@
+"""The KV cache at equal bytes, in llama.cpp: MLA conversions against the original with a quantized cache.
+
+Users who want a smaller KV cache can also just quantize it: llama.cpp's ``-ctk/-ctv q8_0`` or ``q4_0``. This
+puts both on one axis. Each model (the original and its MLA conversions, ``retrofitter mla`` [+ ``heal``]) is
+exported to an f32 GGUF and scored by ``llama-perplexity`` with its cache in each of ``--cache-types``, flash
+attention on in every row (a quantized V cache needs it), so only the cache changes. Per row:
+
+- bytes per token, all layers (``eval.llama_cpp.cache_bytes_per_token``; the run stops if llama.cpp's own
+  allocation, logged to 0.01 MiB, disagrees), and its ratio to the original's f16 cache;
+- perplexity on each corpus (windows of ``--n-ctx``, the second half of each scored), and the paired ratio to the
+  original with an f16 cache over the same windows (``eval.perplexity.paired_ratio``: 95 % interval over windows);
+- with ``--depths``: decode tokens/s (``llama-bench``, ``--n-gen`` tokens after that much context), every row at
+  one depth before the next depth, so the rows see the same machine state.
+
+    python benchmarks/engine_kv_quantization.py --mla runs/mla-0.25-healed --mla runs/mla-0.5-healed --depths 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import retrofitter
+from retrofitter.data.corpora import load_text
+from retrofitter.engines.llama_cpp import llama_cpp_dir
+from retrofitter.eval.llama_cpp import cache_bytes_per_token, gguf_metadata, llama_bench, llama_perplexity
+from retrofitter.eval.perplexity import paired_ratio
+from retrofitter.pipelines.export import export_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ("original", "f16")
+
+
+def _export(args) -> dict:
+    """{name: gguf path}: the original and each --mla directory (named by its directory)."""
+    models = {"original": args.model, **{Path(path).name: path for path in args.mla}}
+    paths = {}
+    for name, source in models.items():
+        paths[name] = args.out / f"{name}.gguf"
+        if paths[name].exists():
+            continue
+        model, tokenizer = retrofitter.load(source)
+        export_gguf(model.eval(), paths[name], tokenizer)
+        del model
+    return paths
+
+
+def _score(args, gguf: dict, texts: dict) -> dict:
+    rows = {}
+    for name, path in gguf.items():
+        meta = gguf_metadata(path)
+        for cache_type in args.cache_types:
+            row = rows[f"{name} {cache_type}"] = {"model": name, "cache_type": cache_type,
+                                                   "bytes_per_token": cache_bytes_per_token(meta, cache_type)}
+            for corpus, text_file in texts.items():
+                result = llama_perplexity(path, text_file, args.n_ctx, chunks=args.chunks or None,
+                                          threads=args.threads, cache_type=cache_type, flash_attn="on")
+                kv = result["kv_cache"]
+                logged, counted = kv["mib"] * 2**20, kv["cells"] * row["bytes_per_token"]
+                if abs(logged - counted) > 0.00501 * 2**20:
+                    raise SystemExit(f"{name} {cache_type}: llama.cpp allocated {kv['mib']} MiB for {kv['cells']} "
+                                     f"cells, {counted / 2**20:.3f} MiB counted")
+                row.setdefault("corpora", {})[corpus] = result
+                row["kv_cache"] = kv
+                print(f"{name} {cache_type} {corpus}: ppl {result['ppl']:.4f} over {result['chunks']} windows, "
+                      f"{row['bytes_per_token']} B/token ({result['seconds']:.0f} s)", flush=True)
+    scored = args.n_ctx - 1 - args.n_ctx // 2  # tokens llama-perplexity scores per window
+    reference = rows[" ".join(REFERENCE)]
+    for row in rows.values():
+        row["bytes_ratio"] = row["bytes_per_token"] / reference["bytes_per_token"]
+        for corpus, result in row["corpora"].items():
+            base = torch.tensor(reference["corpora"][corpus]["chunk_nll"], dtype=torch.float64) * scored
+            ours = torch.tensor(result["chunk_nll"], dtype=torch.float64) * scored
+            result["paired"] = vars(paired_ratio(base, ours, scored + 1)) if row is not reference else None
+    return rows
+
+
+def _decode(args, gguf: dict, rows: dict) -> None:
+    for depth in args.depths:
+        for key, row in rows.items():
+            measured, = llama_bench(gguf[row["model"]], [depth], n_gen=args.n_gen, repetitions=args.repeats,
+                                    threads=args.threads, cache_type=row["cache_type"], flash_attn="on")
+            row.setdefault("decode", {})[str(depth)] = measured
+            print(f"depth {depth} {key}: {measured['tokens_per_s']:.2f} tok/s", flush=True)
+    reference = rows[" ".join(REFERENCE)]
+    for row in rows.values():
+        for depth, measured in row.get("decode", {}).items():
+            measured["time_ratio"] = reference["decode"][depth]["tokens_per_s"] / measured["tokens_per_s"]
+
+
+def _print(args, rows: dict) -> None:
+    corpora = list(next(iter(rows.values()))["corpora"])
+    head = f"{'model':<22} {'cache':<5} {'B/token':>7} {'bytes':>6}"
+    head += "".join(f" {Path(c).name[:16]:>16} {'ratio [95 %]':>22}" for c in corpora)
+    head += "".join(f" {'step@' + str(d):>10}" for d in args.depths)
+    print(head)
+    for row in rows.values():
+        line = f"{row['model']:<22} {row['cache_type']:<5} {row['bytes_per_token']:>7} {row['bytes_ratio']:>5.3f}x"
+        for corpus in corpora:
+            result = row["corpora"][corpus]
+            p = result["paired"]
+            interval = f"{p['ratio']:.3f}x [{p['low']:.3f}, {p['high']:.3f}]" if p else "1 (reference)"
+            line += f" {result['ppl']:>16.3f} {interval:>22}"
+        line += "".join(f" {row['decode'][str(d)]['time_ratio']:>9.3f}x" for d in args.depths)
+        print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="the original model")
+    parser.add_argument("--mla", action="append", default=[], help="an MLA conversion's directory (repeatable)")
+    parser.add_argument("--cache-types", default="f16,q8_0,q4_0", help="llama.cpp cache types, f16 first")
+    parser.add_argument("--corpora", default="wiki-eval,/usr/share/common-licenses/GPL-3")
+    parser.add_argument("--n-ctx", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=64, help="windows per corpus (0: the whole text)")
+    parser.add_argument("--depths", default="", help="decode contexts for llama-bench, e.g. 4096,8192 (none: skip)")
+    parser.add_argument("--n-gen", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs/engine-kv"), help="GGUFs and corpus files")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "engine_kv_quantization.json")
+    args = parser.parse_args()
+    args.cache_types = [t for t in args.cache_types.split(",") if t]
+    args.depths = [int(d) for d in args.depths.split(",") if d]
+    if args.cache_types[0] != REFERENCE[1]:
+        parser.error(f"--cache-types must start with {REFERENCE[1]}, the reference row's cache")
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    texts = {}
+    for corpus in args.corpora.split(","):
+        texts[corpus] = args.out / f"{Path(corpus).name}.txt"
+        texts[corpus].write_text(load_text(corpus))
+    gguf = _export(args)
+    rows = _score(args, gguf, texts)
+    _decode(args, gguf, rows)
+    record = {"kind": "engine_kv_quantization",
+              "llama_cpp": json.loads((llama_cpp_dir() / "build.json").read_text()),
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "files": {k: str(v) for k, v in gguf.items()}, "rows": rows,
+              "seconds": round(time.perf_counter() - start, 1)}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    _print(args, rows)
+
+
+if __name__ == "__main__":
+    main()
