@@ -9,10 +9,12 @@ attention on in every row (a quantized V cache needs it), so only the cache chan
   allocation, logged to 0.01 MiB, disagrees), and its ratio to the original's f16 cache;
 - perplexity on each corpus (windows of ``--n-ctx``, the second half of each scored), and the paired ratio to the
   original with an f16 cache over the same windows (``eval.perplexity.paired_ratio``: 95 % interval over windows);
-- with ``--depths``: decode tokens/s (``llama-bench``, ``--n-gen`` tokens after that much context), every row at
-  one depth before the next depth, so the rows see the same machine state.
+- with ``--depths``: decode tokens/s (``llama-bench``, ``--n-gen`` tokens after that much context), and with
+  ``--prefill``: prompt tokens/s of a prompt of that length; every row at one setting before the next, so the
+  rows see the same machine state, and each as a time ratio to the original with an f16 cache.
 
-    python benchmarks/engine_kv_quantization.py --mla runs/mla-0.25-healed --mla runs/mla-0.5-healed --depths 4096
+    python benchmarks/engine_kv_quantization.py --mla runs/mla-0.25-healed --mla runs/mla-0.5-healed --depths 4096 \
+        --prefill 512
 """
 
 from __future__ import annotations
@@ -79,17 +81,23 @@ def _score(args, gguf: dict, texts: dict) -> dict:
     return rows
 
 
-def _decode(args, gguf: dict, rows: dict) -> None:
-    for depth in args.depths:
+def _speed(args, gguf: dict, rows: dict) -> None:
+    """Decode after each of --depths and prefill of each of --prefill tokens, every row at one setting before
+    the next; time_ratio: the reference row's tokens/s over this row's (the time per token, × the reference's)."""
+    settings = [("decode", depth, {"n_gen": args.n_gen}) for depth in args.depths]
+    settings += [("prefill", n, {"n_gen": 0, "n_prompt": n}) for n in args.prefill]
+    for kind, tokens, bench in settings:
         for key, row in rows.items():
-            measured, = llama_bench(gguf[row["model"]], [depth], n_gen=args.n_gen, repetitions=args.repeats,
-                                    threads=args.threads, cache_type=row["cache_type"], flash_attn="on")
-            row.setdefault("decode", {})[str(depth)] = measured
-            print(f"depth {depth} {key}: {measured['tokens_per_s']:.2f} tok/s", flush=True)
+            measured, = llama_bench(gguf[row["model"]], [tokens if kind == "decode" else 0], **bench,
+                                    repetitions=args.repeats, threads=args.threads, cache_type=row["cache_type"],
+                                    flash_attn="on")
+            row.setdefault(kind, {})[str(tokens)] = measured
+            print(f"{kind} {tokens} {key}: {measured['tokens_per_s']:.2f} tok/s", flush=True)
     reference = rows[" ".join(REFERENCE)]
     for row in rows.values():
-        for depth, measured in row.get("decode", {}).items():
-            measured["time_ratio"] = reference["decode"][depth]["tokens_per_s"] / measured["tokens_per_s"]
+        for kind, _, _ in settings:
+            for tokens, measured in row[kind].items():
+                measured["time_ratio"] = reference[kind][tokens]["tokens_per_s"] / measured["tokens_per_s"]
 
 
 def _print(args, rows: dict) -> None:
@@ -97,6 +105,7 @@ def _print(args, rows: dict) -> None:
     head = f"{'model':<22} {'cache':<5} {'B/token':>7} {'bytes':>6}"
     head += "".join(f" {Path(c).name[:16]:>16} {'ratio [95 %]':>22}" for c in corpora)
     head += "".join(f" {'step@' + str(d):>10}" for d in args.depths)
+    head += "".join(f" {'prefill' + str(n):>11}" for n in args.prefill)
     print(head)
     for row in rows.values():
         line = f"{row['model']:<22} {row['cache_type']:<5} {row['bytes_per_token']:>7} {row['bytes_ratio']:>5.3f}x"
@@ -106,6 +115,7 @@ def _print(args, rows: dict) -> None:
             interval = f"{p['ratio']:.3f}x [{p['low']:.3f}, {p['high']:.3f}]" if p else "1 (reference)"
             line += f" {result['ppl']:>16.3f} {interval:>22}"
         line += "".join(f" {row['decode'][str(d)]['time_ratio']:>9.3f}x" for d in args.depths)
+        line += "".join(f" {row['prefill'][str(n)]['time_ratio']:>10.3f}x" for n in args.prefill)
         print(line)
 
 
@@ -118,6 +128,7 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=64, help="windows per corpus (0: the whole text)")
     parser.add_argument("--depths", default="", help="decode contexts for llama-bench, e.g. 4096,8192 (none: skip)")
+    parser.add_argument("--prefill", default="", help="prompt lengths whose prefill llama-bench times, e.g. 512,2048")
     parser.add_argument("--n-gen", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -126,6 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     args.cache_types = [t for t in args.cache_types.split(",") if t]
     args.depths = [int(d) for d in args.depths.split(",") if d]
+    args.prefill = [int(n) for n in args.prefill.split(",") if n]
     if args.cache_types[0] != REFERENCE[1]:
         parser.error(f"--cache-types must start with {REFERENCE[1]}, the reference row's cache")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +148,7 @@ def main() -> None:
         texts[corpus].write_text(load_text(corpus))
     gguf = _export(args)
     rows = _score(args, gguf, texts)
-    _decode(args, gguf, rows)
+    _speed(args, gguf, rows)
     record = {"kind": "engine_kv_quantization",
               "llama_cpp": json.loads((llama_cpp_dir() / "build.json").read_text()),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

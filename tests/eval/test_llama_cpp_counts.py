@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from retrofitter.eval.llama_cpp import cache_bytes_per_token, chunk_nlls
+from retrofitter.eval.llama_cpp import cache_bytes_per_token, chunk_nlls, llama_bench
 
 LLAMA = {"general.architecture": "llama", "llama.block_count": 30, "llama.embedding_length": 576,
          "llama.attention.head_count": 9, "llama.attention.head_count_kv": 3}
@@ -51,3 +51,9 @@ def test_a_head_that_does_not_fill_whole_blocks_is_refused_as_llama_cpp_does():
     small_heads = dict(LLAMA, **{"llama.embedding_length": 144})  # head_dim 16: 3 × 32 numbers a row, still refused
     with pytest.raises(ValueError, match="key head width 16"):
         cache_bytes_per_token(small_heads, "q8_0")
+
+
+@pytest.mark.parametrize("n_gen, n_prompt", [(0, 0), (32, 512)])
+def test_llama_bench_times_a_decode_or_a_prefill_not_both(n_gen, n_prompt):
+    with pytest.raises(ValueError, match="one of them"):
+        llama_bench("unused.gguf", [0], n_gen=n_gen, n_prompt=n_prompt)

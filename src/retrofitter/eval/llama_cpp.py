@@ -162,14 +162,18 @@ def llama_kv_cache_mib(log: str) -> list[dict]:
 
 
 def llama_bench(gguf, depths: list[int], n_gen: int = 32, repetitions: int = 3, threads: int | None = None,
-                cache_type: str = "f16", flash_attn: str | None = None) -> list[dict]:
+                cache_type: str = "f16", flash_attn: str | None = None, n_prompt: int = 0) -> list[dict]:
     """``llama-bench`` decode speed after ``depth`` tokens of context, one entry per depth: {"depth", "n_gen",
-    "tokens_per_s", "stddev", "threads", "kv_cache"}; ``kv_cache`` is the last ``llama_kv_cache_mib`` entry of
-    its log (the cache llama.cpp allocated for that context), None when the log has none."""
+    "n_prompt", "tokens_per_s", "stddev", "threads", "kv_cache"}; ``kv_cache`` is the last ``llama_kv_cache_mib``
+    entry of its log (the cache llama.cpp allocated for that context), None when the log has none. With
+    ``n_prompt`` > 0 and ``n_gen`` = 0 it is the prefill speed of an ``n_prompt``-token prompt instead."""
+    if (n_prompt > 0) == (n_gen > 0):
+        raise ValueError(f"llama_bench times decoding (n_gen > 0) or a prefill (n_prompt > 0), one of them; got "
+                         f"n_gen={n_gen}, n_prompt={n_prompt}")
     out = []
     for depth in depths:
-        args = ["-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions), "-o", "json",
-                "-ctk", cache_type, "-ctv", cache_type, "-v"]
+        args = ["-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions),
+                "-o", "json", "-ctk", cache_type, "-ctv", cache_type, "-v"]
         if threads is not None:
             args += ["-t", str(threads)]
         if flash_attn is not None:
@@ -177,7 +181,7 @@ def llama_bench(gguf, depths: list[int], n_gen: int = 32, repetitions: int = 3, 
         result = run_tool("llama-bench", args)
         rows = json.loads(result.stdout)
         kv = llama_kv_cache_mib(result.stderr)
-        out.append({"depth": depth, "n_gen": n_gen, "tokens_per_s": float(rows[0]["avg_ts"]),
+        out.append({"depth": depth, "n_gen": n_gen, "n_prompt": n_prompt, "tokens_per_s": float(rows[0]["avg_ts"]),
                     "stddev": float(rows[0]["stddev_ts"]), "threads": int(rows[0]["n_threads"]),
                     "kv_cache": kv[-1] if kv else None})
     return out
