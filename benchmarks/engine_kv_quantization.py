@@ -29,6 +29,7 @@ import torch
 import retrofitter
 from retrofitter.data.corpora import load_text
 from retrofitter.engines.llama_cpp import llama_cpp_dir
+from retrofitter.eval.engine_table import ENGINE_KV_KIND, engine_kv_table
 from retrofitter.eval.llama_cpp import cache_bytes_per_token, gguf_metadata, llama_bench, llama_perplexity
 from retrofitter.eval.perplexity import paired_ratio
 from retrofitter.pipelines.export import export_gguf
@@ -100,25 +101,6 @@ def _speed(args, gguf: dict, rows: dict) -> None:
                 measured["time_ratio"] = reference[kind][tokens]["tokens_per_s"] / measured["tokens_per_s"]
 
 
-def _print(args, rows: dict) -> None:
-    corpora = list(next(iter(rows.values()))["corpora"])
-    head = f"{'model':<22} {'cache':<5} {'B/token':>7} {'bytes':>6}"
-    head += "".join(f" {Path(c).name[:16]:>16} {'ratio [95 %]':>22}" for c in corpora)
-    head += "".join(f" {'step@' + str(d):>10}" for d in args.depths)
-    head += "".join(f" {'prefill' + str(n):>11}" for n in args.prefill)
-    print(head)
-    for row in rows.values():
-        line = f"{row['model']:<22} {row['cache_type']:<5} {row['bytes_per_token']:>7} {row['bytes_ratio']:>5.3f}x"
-        for corpus in corpora:
-            result = row["corpora"][corpus]
-            p = result["paired"]
-            interval = f"{p['ratio']:.3f}x [{p['low']:.3f}, {p['high']:.3f}]" if p else "1 (reference)"
-            line += f" {result['ppl']:>16.3f} {interval:>22}"
-        line += "".join(f" {row['decode'][str(d)]['time_ratio']:>9.3f}x" for d in args.depths)
-        line += "".join(f" {row['prefill'][str(n)]['time_ratio']:>10.3f}x" for n in args.prefill)
-        print(line)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="the original model")
@@ -149,14 +131,14 @@ def main() -> None:
     gguf = _export(args)
     rows = _score(args, gguf, texts)
     _speed(args, gguf, rows)
-    record = {"kind": "engine_kv_quantization",
+    record = {"kind": ENGINE_KV_KIND,
               "llama_cpp": json.loads((llama_cpp_dir() / "build.json").read_text()),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "files": {k: str(v) for k, v in gguf.items()}, "rows": rows,
               "seconds": round(time.perf_counter() - start, 1)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    _print(args, rows)
+    print("\n".join(engine_kv_table(record)))
 
 
 if __name__ == "__main__":

@@ -171,3 +171,20 @@ def test_an_engines_record_becomes_its_own_section(tmp_path):
     assert "| f32 | 8192 | 20.00 ± 0.50 | 26.00 ± 0.40 | 1.30× | 180.0 | 45.0 | 0.250× |" in text
     assert text.index("| f32 | 512 |") < text.index("| f32 | 8192 |")  # contexts in numeric order
     assert "20.1000 vs 20.0000 (+5.0e-03)" in text and "greedy text equal to transformers' | no |" in text
+
+
+def test_an_engine_kv_record_becomes_a_table_of_bytes_perplexity_and_speed(tmp_path):
+    def row(model, cache_type, nbytes, ratio, ppl, paired, step, prefill):
+        return {"model": model, "cache_type": cache_type, "bytes_per_token": nbytes, "bytes_ratio": ratio,
+                "corpora": {"wiki-eval": {"ppl": ppl, "paired": paired}},
+                "decode": {"4096": {"time_ratio": step}}, "prefill": {"512": {"time_ratio": prefill}}}
+    record = {"kind": "engine_kv_quantization", "llama_cpp": {"tag": "b11434"},
+              "settings": {"model": "smollm2-135m", "n_ctx": 512, "threads": 2, "depths": [4096], "prefill": [512]},
+              "rows": {"original f16": row("original", "f16", 23040, 1.0, 17.5, None, 1.0, 1.0),
+                       "mla q8_0": row("mla", "q8_0", 3060, 0.1328, 21.6, {"ratio": 1.23, "low": 1.2, "high": 1.26},
+                                       0.61, 1.04)}}
+    (tmp_path / "kv.json").write_text(json.dumps(record))
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    assert "## Exported models in other engines" in text and "llama.cpp b11434" in text
+    assert "| original | f16 | 23040 | 1.000× | 17.500 | 1 | 1.000× | 1.000× |" in text
+    assert "| mla | q8_0 | 3060 | 0.133× | 21.600 | 1.230× [1.200, 1.260] | 0.610× | 1.040× |" in text

@@ -1,11 +1,15 @@
-"""Markdown for an engines record (``"kind": "engines"``, written by benchmarks/engines.py): parity of the
-exported model in transformers and llama.cpp, and llama.cpp decode speed and KV cache per context."""
+"""Markdown for the engine records: ``"kind": "engines"`` (benchmarks/engines.py: parity of the exported model in
+transformers and llama.cpp, and llama.cpp decode speed and KV cache per context) and
+``"kind": "engine_kv_quantization"`` (benchmarks/engine_kv_quantization.py: MLA conversions and llama.cpp's
+quantized caches on one axis of KV bytes per token, with perplexity and speed)."""
 
 from __future__ import annotations
 
-__all__ = ["ENGINES_KIND", "engine_section"]
+__all__ = ["ENGINES_KIND", "ENGINE_KV_KIND", "ENGINE_KINDS", "engine_section", "engine_kv_table"]
 
 ENGINES_KIND = "engines"
+ENGINE_KV_KIND = "engine_kv_quantization"
+ENGINE_KINDS = (ENGINES_KIND, ENGINE_KV_KIND)
 
 
 def _parity_lines(record: dict) -> list[str]:
@@ -39,9 +43,38 @@ def _speed_lines(record: dict) -> list[str]:
     return lines
 
 
+def engine_kv_table(record: dict) -> list[str]:
+    """One row per model and cache type: bytes per token, perplexity and the paired ratio to the reference row
+    (the original, f16 cache) per corpus, then decode and prefill time per token × the reference's."""
+    settings = record["settings"]
+    rows = list(record["rows"].values())
+    corpora = list(rows[0]["corpora"])
+    depths, prefill = settings.get("depths") or [], settings.get("prefill") or []
+    head = ["model", "cache", "KV bytes per token", "× original f16"]
+    head += [f"{c.rsplit('/', 1)[-1]} {what}" for c in corpora for what in ("perplexity", "× original [95 %]")]
+    head += [f"decode step at {d}" for d in depths] + [f"prefill {n}" for n in prefill]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["model"], row["cache_type"], str(row["bytes_per_token"]), f"{row['bytes_ratio']:.3f}×"]
+        for corpus in corpora:
+            result = row["corpora"][corpus]
+            p = result["paired"]
+            cells += [f"{result['ppl']:.3f}", f"{p['ratio']:.3f}× [{p['low']:.3f}, {p['high']:.3f}]" if p else "1"]
+        cells += [f"{row['decode'][str(d)]['time_ratio']:.3f}×" for d in depths]
+        cells += [f"{row['prefill'][str(n)]['time_ratio']:.3f}×" for n in prefill]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def engine_section(record: dict) -> list[str]:
-    """Markdown lines of one engines record."""
+    """Markdown lines of one engine record (either kind)."""
     settings = record.get("settings", {})
+    if record.get("kind") == ENGINE_KV_KIND:
+        return [f"### `{record.get('_source', 'engine_kv_quantization')}.json`", "",
+                f"KV cache bytes against perplexity in llama.cpp {record['llama_cpp']['tag']}: `{settings['model']}` "
+                f"and its MLA conversions, each cache type with flash attention; windows of {settings['n_ctx']} "
+                f"(second halves scored), {settings['threads']} threads; speed as time per token × the original "
+                f"with an f16 cache, rows alternating per setting.", "", *engine_kv_table(record), ""]
     lines = [f"### `{record.get('_source', 'engines')}.json`", "",
              f"MLA model `{settings.get('mla', '?')}` against `{settings.get('model', '?')}`; llama.cpp "
              f"{record.get('llama_cpp', {}).get('tag', '?')}, {settings.get('threads', '?')} threads.", "",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bench import machine_info
-from .engine_table import ENGINES_KIND, engine_section
+from .engine_table import ENGINE_KINDS, engine_section
 from .bench_table import format_bench_table
 from .plots import PLOTS
 from .table import format_results_table
@@ -53,7 +53,7 @@ def collect_runs(paths) -> RunData:
                 continue
             if isinstance(content, dict) and content.get("kind") == "bench":
                 data.benches.append({**content, "_source": file.stem})
-            elif isinstance(content, dict) and content.get("kind") == ENGINES_KIND:
+            elif isinstance(content, dict) and content.get("kind") in ENGINE_KINDS:
                 data.engines.append({**content, "_source": file.stem})
             elif isinstance(content, dict) and "ppl" in content and "params" in content:
                 data.results.append({**content, "_source": file.stem})
