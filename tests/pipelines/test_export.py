@@ -140,3 +140,17 @@ def test_gguf_refusals_come_before_llama_cpp_is_needed(tmp_path):
     with pytest.raises(ExportError, match="--rope-selection progression"):
         export_gguf(_mla(strong_tiny("llama"), selection="score"), tmp_path / "m.gguf", tokenizer)
     assert not any(tmp_path.iterdir())
+
+
+def test_every_frequency_kept_exports_with_the_original_rope_base():
+    """SmolLM2's rotary table (head_dim 64, base 100000, float32) with all 32 frequencies in the shared key
+    (progression step 1, as at KV 0.5×): base' is the original base. Taken from θ_1 alone it came out
+    100000.124 (θ_1's float32 rounding × 32), off the table by 1.3e-6 and refused; the fit over every slot
+    is within float32 rounding."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**_common(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                                rope_theta=100000.0))
+    model = _mla(transformers.AutoModelForCausalLM.from_config(config).eval(), kv_ratio=1.0)
+    assert all(layer.self_attn.rope_dim == 64 for layer in model.model.layers)
+    ds_config, _ = deepseek_v3_checkpoint(model, dtype=torch.float32)
+    assert ds_config["rope_parameters"]["rope_theta"] == pytest.approx(100000.0, rel=1e-6)

@@ -14,8 +14,9 @@ Every step is an exact rewrite, up to float rounding, of what retrofitter's modu
 
 * **RoPE.** Our slot j rotates dims (j, m + j) (rotate-half) at the model's θ_{f_j}. DeepSeek rotates pairs
   (2j, 2j + 1) at θ'_j = base'^(−j/m). Rows are permuted to that layout, slots sorted by frequency; the
-  frequencies must be f_j = j·s (``rope_selection="progression"``), then base' = θ_{f_1}^(−m) reproduces
-  them exactly. Anything else is refused (one line).
+  frequencies must be f_j = j·s (``rope_selection="progression"``), then one base' reproduces them (exactly
+  in real arithmetic; fitted to every slot, log θ_{f_j} = −(j/m)·log base', it matches the float32 table to
+  its rounding). Anything else is refused (one line).
 * **The latent's RMSNorm.** DeepSeek always normalises the latent: w ⊙ c' / √(mean(c'²) + ε). With c' = α c,
   w = √ε / α this is c / √(1 + δ), δ = α² mean(c²) / ε. The norm's input is x = w_ln ⊙ u with |u|² ≤ d (the
   decoder's input RMSNorm), so mean(c²) ≤ σ_max(A·diag(w_ln))² · d / r for *every* input: α is the power
@@ -77,9 +78,12 @@ def _progression(attention: MLAAttention, inv_freq: torch.Tensor, index: int) ->
     if m == 0 or int(f[0]) != 0 or any(int(f[j]) != j * step for j in range(m)) or (m > 1 and step < 1):
         raise ExportError(f"layer {index}: its rotary slots use frequency pairs {f.tolist()}, but DeepSeek's rotary "
                           f"key needs the progression 0, s, 2s, ...; convert with --rope-selection progression")
-    theta = inv_freq[f]
-    base = float(theta[1] ** (-m)) if m > 1 else 10000.0
-    expected = base ** (-torch.arange(m, dtype=torch.float64) / m)
+    theta = inv_freq[f].double()
+    # log θ_j = −(j/m)·log base' for every slot: fitted by least squares through the origin (θ_0 = 1). Taking it
+    # from θ_1 alone, base' = θ_1^(−m), multiplies θ_1's float32 rounding by m (32 slots: 2e-6, above the check)
+    j = torch.arange(m, dtype=torch.float64)
+    base = math.exp(float(-m * (j * theta.log()).sum() / (j * j).sum())) if m > 1 else 10000.0
+    expected = base ** (-j / m)
     if not torch.allclose(theta, expected, rtol=1e-6, atol=0.0):  # float32 tables on both sides
         raise ExportError(f"layer {index}: the model's rotary frequencies (its rope scaling) are not a DeepSeek "
                           f"table base^(-j/m) of one base")
