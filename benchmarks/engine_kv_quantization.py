@@ -10,8 +10,9 @@ attention on in every row (a quantized V cache needs it), so only the cache chan
 - perplexity on each corpus (windows of ``--n-ctx``, the second half of each scored), and the paired ratio to the
   original with an f16 cache over the same windows (``eval.perplexity.paired_ratio``: 95 % interval over windows);
 - with ``--depths``: decode tokens/s (``llama-bench``, ``--n-gen`` tokens after that much context), and with
-  ``--prefill``: prompt tokens/s of a prompt of that length; every row at one setting before the next, so the
-  rows see the same machine state, and each as a time ratio to the original with an f16 cache.
+  ``--prefill``: prompt tokens/s of a prompt of that length; in ``--repeats`` rounds that each time every row
+  once, so the rows of a round see the same machine state; the time ratio to the original with an f16 cache is
+  the median over rounds.
 
     python benchmarks/engine_kv_quantization.py --mla runs/mla-0.25-healed --mla runs/mla-0.5-healed --depths 4096 \
         --prefill 512
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -83,22 +85,31 @@ def _score(args, gguf: dict, texts: dict) -> dict:
 
 
 def _speed(args, gguf: dict, rows: dict) -> None:
-    """Decode after each of --depths and prefill of each of --prefill tokens, every row at one setting before
-    the next; time_ratio: the reference row's tokens/s over this row's (the time per token, × the reference's)."""
+    """Decode after each of --depths and prefill of each of --prefill tokens, in --repeats rounds: each round
+    times every row once (llama-bench -r 1), so drift of the machine's speed over the minutes a setting takes
+    reaches every row of a round alike. Per row: the median tokens/s over rounds and time_ratio, the median
+    over rounds of the reference row's tokens/s over this row's (time per token × the reference's)."""
     settings = [("decode", depth, {"n_gen": args.n_gen}) for depth in args.depths]
     settings += [("prefill", n, {"n_gen": 0, "n_prompt": n}) for n in args.prefill]
+    reference = " ".join(REFERENCE)
     for kind, tokens, bench in settings:
+        rounds = []
+        for round_index in range(args.repeats):
+            measured = {}
+            for key, row in rows.items():
+                measured[key], = llama_bench(gguf[row["model"]], [tokens if kind == "decode" else 0], **bench,
+                                             repetitions=1, threads=args.threads, cache_type=row["cache_type"],
+                                             flash_attn="on")
+                print(f"{kind} {tokens} round {round_index + 1} {key}: {measured[key]['tokens_per_s']:.2f} tok/s",
+                      flush=True)
+            rounds.append(measured)
         for key, row in rows.items():
-            measured, = llama_bench(gguf[row["model"]], [tokens if kind == "decode" else 0], **bench,
-                                    repetitions=args.repeats, threads=args.threads, cache_type=row["cache_type"],
-                                    flash_attn="on")
-            row.setdefault(kind, {})[str(tokens)] = measured
-            print(f"{kind} {tokens} {key}: {measured['tokens_per_s']:.2f} tok/s", flush=True)
-    reference = rows[" ".join(REFERENCE)]
-    for row in rows.values():
-        for kind, _, _ in settings:
-            for tokens, measured in row[kind].items():
-                measured["time_ratio"] = reference[kind][tokens]["tokens_per_s"] / measured["tokens_per_s"]
+            speeds = [r[key]["tokens_per_s"] for r in rounds]
+            ratios = [r[reference]["tokens_per_s"] / r[key]["tokens_per_s"] for r in rounds]
+            row.setdefault(kind, {})[str(tokens)] = {
+                "tokens_per_s": statistics.median(speeds), "rounds_tokens_per_s": speeds,
+                "time_ratio": statistics.median(ratios), "rounds_time_ratio": ratios,
+                "kv_cache": rounds[-1][key]["kv_cache"], "threads": rounds[-1][key]["threads"]}
 
 
 def main() -> None:
@@ -112,7 +123,7 @@ def main() -> None:
     parser.add_argument("--depths", default="", help="decode contexts for llama-bench, e.g. 4096,8192 (none: skip)")
     parser.add_argument("--prefill", default="", help="prompt lengths whose prefill llama-bench times, e.g. 512,2048")
     parser.add_argument("--n-gen", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the rows per speed setting")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/engine-kv"), help="GGUFs and corpus files")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "engine_kv_quantization.json")
