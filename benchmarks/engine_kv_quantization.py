@@ -142,7 +142,7 @@ def main() -> None:
     gguf = _export(args)
     rows = _score(args, gguf, texts)
     _speed(args, gguf, rows)
-    record = {"kind": ENGINE_KV_KIND,
+    record = {"kind": ENGINE_KV_KIND, "speed_scheme": "rounds",
               "llama_cpp": json.loads((llama_cpp_dir() / "build.json").read_text()),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "files": {k: str(v) for k, v in gguf.items()}, "rows": rows,

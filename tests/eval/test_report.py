@@ -188,3 +188,6 @@ def test_an_engine_kv_record_becomes_a_table_of_bytes_perplexity_and_speed(tmp_p
     assert "## Exported models in other engines" in text and "llama.cpp b11434" in text
     assert "| original | f16 | 23040 | 1.000× | 17.500 | 1 | 1.000× | 1.000× |" in text
     assert "| mla | q8_0 | 3060 | 0.133× | 21.600 | 1.230× [1.200, 1.260] | 0.610× | 1.040× |" in text
+    assert "the rows one after another (drift between rows enters the ratios)" in text  # a record without rounds
+    (tmp_path / "kv.json").write_text(json.dumps(dict(record, speed_scheme="rounds")))
+    assert "the median over rounds" in write_report([tmp_path], tmp_path / "out2").read_text()

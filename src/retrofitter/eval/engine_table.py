@@ -43,6 +43,11 @@ def _speed_lines(record: dict) -> list[str]:
     return lines
 
 
+_SPEED_SCHEMES = {"rounds": "the median over rounds that each time every row once",
+                  "row after row": "each row timed in one go, the rows one after another (drift between rows enters "
+                                   "the ratios)"}
+
+
 def engine_kv_table(record: dict) -> list[str]:
     """One row per model and cache type: bytes per token, perplexity and the paired ratio to the reference row
     (the original, f16 cache) per corpus, then decode and prefill time per token × the reference's."""
@@ -74,7 +79,8 @@ def engine_section(record: dict) -> list[str]:
                 f"KV cache bytes against perplexity in llama.cpp {record['llama_cpp']['tag']}: `{settings['model']}` "
                 f"and its MLA conversions, each cache type with flash attention; windows of {settings['n_ctx']} "
                 f"(second halves scored), {settings['threads']} threads; speed as time per token × the original "
-                f"with an f16 cache, rows alternating per setting.", "", *engine_kv_table(record), ""]
+                f"with an f16 cache, {_SPEED_SCHEMES[record.get('speed_scheme', 'row after row')]}.", "",
+                *engine_kv_table(record), ""]
     lines = [f"### `{record.get('_source', 'engines')}.json`", "",
              f"MLA model `{settings.get('mla', '?')}` against `{settings.get('model', '?')}`; llama.cpp "
              f"{record.get('llama_cpp', {}).get('tag', '?')}, {settings.get('threads', '?')} threads.", "",
