@@ -80,7 +80,8 @@ def main() -> None:
         print(json.dumps(run_arm(args)))
         return
     record = {"settings": vars(args), "machine": machine_info(), "arms": {}}
-    for arm in args.arms.split(","):  # a fresh process each: what the allocator holds depends on everything the process did
+    # a fresh process per arm: what the allocator holds depends on everything the process did
+    for arm in args.arms.split(","):
         out = subprocess.run([sys.executable, *sys.argv, "--arm", arm], check=True, capture_output=True, text=True)
         record["arms"][arm] = json.loads(out.stdout.strip().splitlines()[-1])
         peaks = record["arms"][arm]["peak_resident_mib_per_layer"]

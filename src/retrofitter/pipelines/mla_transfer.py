@@ -54,7 +54,8 @@ TRANSFER_EXECUTIONS = ("decompressed", "absorbed")  # MLAAttention executions a 
 KL_QUERY_STRIDE = 4  # the attention-KL term reads every 4th query's weights (kl_query_rows)
 
 __all__ = ["KL_QUERY_STRIDE", "TRANSFER_EXECUTIONS", "TRANSFER_TARGETS", "AttentionBatch",
-           "adam_epochs", "at_position", "carries_original_stream", "at_positions", "attention_batches", "attention_kl", "batch_output",
+           "adam_epochs", "at_position", "at_positions", "attention_batches", "attention_kl", "batch_output",
+           "carries_original_stream",
            "iter_attention_batches", "kl_query_rows", "mean_attention_kl", "reference_weights_at_rows",
            "relative_output_error", "residual_norm_weights", "skipped_position_ids", "teacher_targets",
            "transfer_attention"]
