@@ -3,8 +3,13 @@
 Each model runs one forward of random ids ``[1, --tokens]`` without a cache and with the last position's
 logits only (what generation needs; as ``retrofitter bench --compile``), eager and compiled (inductor,
 static shapes), the models and modes interleaved over ``--repeats`` timed repetitions after two warm-ups.
+A ratio is the median over repetitions of each repetition's time over the first model's in that repetition
+(with its quartiles), so drift of the machine between repetitions cancels.
 Then ``torch.profiler`` records one compiled forward per model: self CPU time per op (matrix products,
 the attention kernel, the compiled graph's own fused kernels, ...), which says where a gap comes from.
+Beside the times, the bound from arithmetic: each model's multiply-adds per token of a last-logit prefill
+(``eval.accounting``: every projection, K_up / V_up where not folded, attention at the causal average of
+``--tokens``; the LM head once per prefill, left out), over the first model's.
 
     python benchmarks/profile_prefill_compiled.py smollm2-135m runs/mla-0.25 --tokens 512 --threads 2
 
@@ -22,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from retrofitter.api import load_model, write_json
+from retrofitter.eval.accounting import account
 from retrofitter.eval.bench import machine_info, unique_labels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prefill_fn(model):
     return lambda ids: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+
+def prefill_macs_per_token(model, tokens: int) -> int:
+    """Multiply-adds per token of a last-logit prefill of ``tokens``: projections and attention, no LM head."""
+    counts = account(model, context=tokens)
+    head = model.get_output_embeddings()
+    return counts.macs_per_token - (head.weight.numel() if head is not None else 0) + counts.attention_macs_per_token
 
 
 def op_profile(fn, ids, top: int) -> dict[str, float]:
@@ -69,15 +82,28 @@ def main() -> None:
                 seconds[key].append(time.perf_counter() - start)
         ops = {label: op_profile(fns[label, "compiled"], ids, args.top) for label in models}
     base = labels[0]
-    rows = {label: {mode: {"median_ms": statistics.median(seconds[label, mode]) * 1e3,
-                           "min_ms": min(seconds[label, mode]) * 1e3,
-                           "ratio_median": statistics.median(seconds[label, mode]) / statistics.median(seconds[base, mode])}
-                    for mode in ("eager", "compiled")} for label in labels}
+    macs = {label: prefill_macs_per_token(model, args.tokens) for label, model in models.items()}
+    # each repetition times every model once, so the ratio within a repetition is free of the machine's drift
+    paired = {key: sorted(t / b for t, b in zip(seconds[key], seconds[base, key[1]])) for key in fns}
+    median = {key: statistics.median(times) for key, times in seconds.items()}
+    rows = {label: {mode: {"median_ms": median[label, mode] * 1e3, "min_ms": min(seconds[label, mode]) * 1e3,
+                           "ratio_median": median[label, mode] / median[base, mode],
+                           "paired_ratio_median": statistics.median(paired[label, mode]),
+                           "paired_ratio_quartiles": [paired[label, mode][len(paired[label, mode]) // 4],
+                                                      paired[label, mode][(3 * len(paired[label, mode])) // 4]],
+                           "seconds": seconds[label, mode]}
+                    for mode in ("eager", "compiled")} | {"macs_per_token": macs[label],
+                                                          "macs_ratio": macs[label] / macs[base]}
+            for label in labels}
     write_json({"settings": vars(args) | {"json": str(args.json)}, "machine": machine_info(), "prefill": rows,
                 "compiled_ops_self_ms": ops}, args.json)
     for label in labels:
-        print(f"{label:<28} " + "  ".join(f"{mode} {r['median_ms']:7.1f} ms ({r['ratio_median']:.3f}x)"
-                                         for mode, r in rows[label].items()))
+        timed = {mode: rows[label][mode] for mode in ("eager", "compiled")}
+        print(f"{label:<28} " + "  ".join(
+            f"{mode} {r['median_ms']:7.1f} ms (paired {r['paired_ratio_median']:.3f}x "
+            f"[{r['paired_ratio_quartiles'][0]:.3f}, {r['paired_ratio_quartiles'][1]:.3f}])"
+            for mode, r in timed.items())
+              + f"  arithmetic {macs[label] / 1e6:.2f} M MACs/token ({rows[label]['macs_ratio']:.3f}x)")
     for label in labels:
         print(f"compiled ops, {label}: " + ", ".join(f"{k[:48]} {v:.1f} ms" for k, v in ops[label].items()))
 

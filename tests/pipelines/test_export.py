@@ -26,9 +26,9 @@ CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().
 IDS = torch.randint(3, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
 
 
-def _mla(model, selection="progression", kv_ratio=0.5):
-    convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=0.5, rope_selection=selection, damping=1e-9),
-                   CALIBRATION, progress=False)
+def _mla(model, selection="progression", kv_ratio=0.5, fold=True):
+    convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=0.5, rope_selection=selection, damping=1e-9,
+                                    fold_up_projections=fold), CALIBRATION, progress=False)
     return model
 
 
@@ -56,8 +56,10 @@ def _deepseek(model, dtype):
 
 @pytest.mark.parametrize("build", [lambda d: strong_tiny("llama", dtype=d), lambda d: strong_tiny("mistral", dtype=d),
                                    _tied_llama], ids=["llama", "mistral", "llama-tied-eps1e-5"])
-def test_deepseek_checkpoint_reproduces_the_mla_model_in_float64(build):
-    model = _mla(build(torch.float64))
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "up-projections-kept"])
+def test_deepseek_checkpoint_reproduces_the_mla_model_in_float64(build, fold):
+    model = _mla(build(torch.float64), fold=fold)
+    assert (model.model.layers[0].self_attn.k_up is None) is fold
     with torch.no_grad():
         reference = model(IDS).logits
         logits = _deepseek(model, torch.float64)(IDS).logits

@@ -22,10 +22,10 @@ SUPPORTED = ["llama", "mistral", "qwen2"]
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
 
 
-def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, selection="progression"):
+def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, selection="progression", fold=True):
     model = strong_tiny(family, dtype=dtype)
     convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=rope_fraction, rope_selection=selection,
-                                    damping=1e-9), CALIBRATION, progress=False)
+                                    damping=1e-9, fold_up_projections=fold), CALIBRATION, progress=False)
     return model
 
 
@@ -92,8 +92,9 @@ def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padd
 @pytest.mark.parametrize("family", SUPPORTED)
 @pytest.mark.parametrize("execution", ["decompressed", "absorbed"])
 def test_training_gradients_equal_the_naive_ones(family, execution):
-    """The transfer's executions' gradients (every parameter the logits depend on) are the reference's, in float64."""
-    model = _converted(family, kv_ratio=0.25)
+    """The transfer's executions' gradients (every parameter the logits depend on) are the reference's, in float64,
+    on the module the transfer trains (up-projections not yet folded)."""
+    model = _converted(family, kv_ratio=0.25, fold=False)
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     grads = {}
     for run in ("naive", execution):
@@ -170,7 +171,7 @@ def test_heal_adapts_the_mla_tensors_and_merges_exactly(tmp_path):
     from retrofitter.config import HealConfig
     from retrofitter.pipelines.heal import heal_model, heal_targets
 
-    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32)
+    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32, fold=False)
     teacher = strong_tiny("llama")
     names = {t.short for t in heal_targets(model)}
     assert {"self_attn.k_up", "self_attn.v_up", "self_attn.kv_a_proj.weight", "self_attn.q_proj.weight",
@@ -239,7 +240,8 @@ def test_attention_macs_count_what_the_absorbed_kernel_computes():
 
 @pytest.mark.parametrize("family, fit", [(family, "attention") for family in SUPPORTED] + [("llama", "uniform")])
 def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(family, fit):
-    settings = dict(kv_ratio=0.5, rope_fraction=0.25, damping=1e-9, fit_blocks=4, fit_queries=16)
+    settings = dict(kv_ratio=0.5, rope_fraction=0.25, damping=1e-9, fit_blocks=4, fit_queries=16,
+                    fold_up_projections=False)
     fitted, plain = strong_tiny(family, dtype=torch.float64), strong_tiny(family, dtype=torch.float64)
     _, report = convert_to_mla(fitted, MLAConfig(**settings, unrotated_fit=fit), CALIBRATION, progress=False)
     _, plain_report = convert_to_mla(plain, MLAConfig(**settings, unrotated_fit="none"), CALIBRATION, progress=False)
@@ -251,3 +253,66 @@ def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(fa
     for name in ("kv_a_proj.weight", "k_up", "v_up", "k_pe_proj.weight"):
         torch.testing.assert_close(first.get_parameter(name), first_plain.get_parameter(name), rtol=0, atol=1e-10)
     assert not torch.allclose(first.q_proj.weight, first_plain.q_proj.weight)
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("kv_ratio, folds", [(0.5, {"k_up": True, "v_up": True}),    # r = r' = dh = 8
+                                             (0.25, {"k_up": True, "v_up": False})])  # r = r' = 4 < dh
+def test_folding_the_up_projections_keeps_the_function_and_drops_their_work(family, kv_ratio, folds, tmp_path):
+    model = _converted(family, kv_ratio=kv_ratio, fold=False)
+    ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    before = {name: p.numel() for name, p in model.named_parameters()}
+    macs_before = account(model).macs_per_token
+    attentions = [layer.self_attn for layer in model.model.layers]
+    saved = sum(a.n_heads * a.kv_rank * (a.qk_nope_dim * folds["k_up"] + a.head_dim * folds["v_up"])
+                for a in attentions)
+    assert [a.fold_up_projections() for a in attentions] == [folds] * len(attentions)
+    assert [a.fold_up_projections() for a in attentions] == [folds] * len(attentions)  # once: a no-op after
+    after = {name: p.numel() for name, p in model.named_parameters()}
+    gone = {name for name in before if name.endswith(("k_up", "v_up"))
+            and folds[name.rsplit(".", 1)[-1]]}
+    assert before.keys() - after.keys() == gone and all(after[name] == before[name] for name in after)
+    assert macs_before - account(model).macs_per_token == saved > 0
+    for execution in MLA_EXECUTIONS:
+        _set_execution(model, execution)
+        with torch.no_grad():
+            got = model(ids).logits
+        # float64: the fold reassociates a product of three matrices (q_proj, K_up; V_up, o_proj): rounding
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    _set_execution(model, "absorbed")
+    model.float()  # saved and loaded as a user's float32 model (load rebuilds its rotary tables in float32)
+    retrofitter.save(model, tmp_path / "folded", metadata={"method": "mla"})
+    loaded = load_retrofitted(tmp_path / "folded")
+    assert loaded.model.layers[0].self_attn.spec() == attentions[0].spec()
+    assert attentions[0].spec()["k_up_folded"] is True and attentions[0].spec()["v_up_folded"] is folds["v_up"]
+    with torch.no_grad():
+        # the same float32 weights in the same modules: equal up to kernel rounding of logits of order 10
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_conversion_folds_by_default_and_heal_adapts_what_is_left():
+    from retrofitter.pipelines.heal import heal_targets
+
+    model = strong_tiny("llama", dtype=torch.float32)
+    _, report = convert_to_mla(model, MLAConfig(kv_ratio=0.5, rope_fraction=0.5), CALIBRATION, progress=False)
+    assert all(layer["folded"] == {"k_up": True, "v_up": True} for layer in report["layers"])
+    names = {t.short for t in heal_targets(model)}
+    assert {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "self_attn.kv_a_proj.weight"} <= names
+    assert not any(name.endswith(("k_up", "v_up")) for name in names)
+
+
+def test_a_quantized_partner_keeps_its_up_projection():
+    """A quantized q_proj / o_proj's weight is not the map it applies: folding into it would be wrong, so it stays."""
+    from retrofitter.modules.quantize import quantize_model
+
+    model = quantize_model(_converted("llama", kv_ratio=0.5, dtype=torch.float32, fold=False), "int8-weight")
+    ids = torch.randint(3, TINY_VOCAB, (1, 8), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = model(ids).logits
+    assert [layer.self_attn.fold_up_projections() for layer in model.model.layers] == [
+        {"k_up": False, "v_up": False}] * len(model.model.layers)
+    with torch.no_grad():
+        # nothing was touched: the same forward again (1e-6: a kernel may reorder a sum between calls)
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-6, atol=1e-6)

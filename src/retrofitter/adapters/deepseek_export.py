@@ -7,7 +7,7 @@ projection (``q_lora_rank`` null) and ``num_key_value_heads`` = ``num_attention_
     q_proj             [h·(r' + 2m), d]   per head [q_nope, q_pe], q_pe in DeepSeek's interleaved pairs
     kv_a_proj_with_mqa [r + 2m, d]        [α·A ; W_pe]       (c' = α c, k_pe as ours, interleaved)
     kv_a_layernorm     [r]                w = √ε / α         (see below)
-    kv_b_proj          [h·(r' + dh), r]   per head [K_up ; V_up,group(i)]
+    kv_b_proj          [h·(r' + dh), r]   per head [K_up ; V_up,group(i)], the identity where folded into q / o
     o_proj             [d, h·dh]
 
 Every step is an exact rewrite, up to float rounding, of what retrofitter's module computes:
@@ -197,10 +197,11 @@ def deepseek_v3_checkpoint(model: nn.Module, dtype: torch.dtype = torch.float32
         put(p + "self_attn.kv_a_proj_with_mqa.weight", kv_a)
         # w = √ε/α on the real dims; the padded dims are zero either way (their c' is 0)
         put(p + "self_attn.kv_a_layernorm.weight", torch.full((kv_rank,), math.sqrt(DEEPSEEK_EPS) / alpha, **f64))
-        v_heads = att.v_up.to(**f64).view(att.n_kv_heads, head_dim, r).repeat_interleave(heads // att.n_kv_heads, 0)
+        # an up-projection folded into q_proj / o_proj (MLAAttention.fold_up_projections) is the identity here
         kv_b = torch.zeros(heads, nope + head_dim, kv_rank, **f64)
-        kv_b[:, :r1, :r] = att.k_up.to(**f64)
-        kv_b[:, nope:, :r] = v_heads
+        kv_b[:, :r1, :r] = torch.eye(r, **f64) if att.k_up is None else att.k_up.to(**f64)
+        kv_b[:, nope:, :r] = (torch.eye(r, **f64) if att.v_up is None else att.v_up.to(**f64).view(
+            att.n_kv_heads, head_dim, r).repeat_interleave(heads // att.n_kv_heads, 0))
         put(p + "self_attn.kv_b_proj.weight", kv_b.reshape(-1, kv_rank))
         put(p + "self_attn.o_proj.weight", att.o_proj.weight.to(**f64) * beta)
     n_layers = len(layers)

@@ -112,8 +112,9 @@ def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> M
         freq_index=torch.tensor(spec["freq_index"], dtype=torch.long), o_proj=o_proj, layer_idx=attention.layer_idx,
         scaling=attention.scaling, attention_resolver=attention_resolver(attention.config, eager_kernel(attention, None)),
         cache_layer=latent_cache_layer, q_bias=spec["q_bias"], kv_bias=spec["kv_bias"], k_pe_bias=spec["k_pe_bias"],
-        sliding_window=adapter.sliding_window(attention), cache_kwarg=adapter.cache_kwarg, dtype=reference.dtype,
-        device=reference.device)
+        sliding_window=adapter.sliding_window(attention), cache_kwarg=adapter.cache_kwarg,
+        k_up_folded=spec.get("k_up_folded", False), v_up_folded=spec.get("v_up_folded", False),  # absent: before folds
+        dtype=reference.dtype, device=reference.device)
     module.source_class = type(attention).__name__
     return module
 

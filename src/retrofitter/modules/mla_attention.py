@@ -24,6 +24,13 @@ Three executions of the same function (``MLA_EXECUTIONS``, the attribute ``execu
   KV 0.5×, 4 × 512 tokens, 2 AMD EPYC threads, interleaved: 276 ms absorbed, 254 ms decompressed in float32,
   131 ms in bfloat16 (benchmarks/mla_transfer_step.py; docs/results.md §13d).
 
+Folded up-projections (``fold_up_projections``): where K_up is square (r' = r) the absorbed query needs no K_up at
+all, since q̂_i = K_upᵀ W_q,i x = (K_upᵀ W_q,i) x, so K_up is multiplied into q_proj once; where V_up is square
+(dh = r), o_proj's block of each head takes W_o,i V_up,group(i) [d, r] in the same way. Both keep every shape
+(q_proj [h·(r + 2m), d], o_proj [d, h·dh]), drop h·r'·r and h·dh·r multiply-adds per token from every prefill and
+decode step, and leave ``k_up`` / ``v_up`` None (read as the identity by ``naive`` and by the export). SmolLM2-135M
+at KV 0.25× (r = r' = dh = 64) folds both; at 0.5× (r = r' = 128) only K_up.
+
 RoPE: the kept slots' frequencies are columns ``freq_index`` [m] of the model's own cos/sin tables
 ([b, n, dh], rotate-half layout: cos[..., f] = cos(pos·θ_f)), so any rope scaling the model uses carries
 over. Biases (Qwen2) are the projections' biases. The cache slot (adapters.latent_cache) stores [c, k_pe]
@@ -68,6 +75,11 @@ def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.
     return scores + attention_mask[..., :total].clamp(min=lowest).to(scores.dtype)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself whose weight is a plain floating tensor (not a quantized subclass)."""
+    return type(module) is nn.Linear and type(module.weight.data) is torch.Tensor and module.weight.is_floating_point()
+
+
 class _HeadsView:
     """The attributes HF attention kernels read from the module they are given."""
 
@@ -90,6 +102,8 @@ class MLAAttention(nn.Module):
         q_bias, kv_bias, k_pe_bias: whether those projections carry biases.
         sliding_window: the layer's window (handed to the kernel), or None.
         cache_kwarg: the keyword under which the decoder layer passes the cache.
+        k_up_folded, v_up_folded: build without K_up / V_up, already folded into q_proj / o_proj (a saved
+            model's spec; needs r' = r / dh = r).
     """
 
     def __init__(self, *, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_rank: int,
@@ -97,19 +111,25 @@ class MLAAttention(nn.Module):
                  scaling: float, attention_resolver: Callable[[], Callable],
                  cache_layer: Callable[[object, int], object] | None = None, q_bias: bool = False,
                  kv_bias: bool = False, k_pe_bias: bool = False, sliding_window: int | None = None,
-                 cache_kwarg: str = "cache", dtype=None, device=None):
+                 cache_kwarg: str = "cache", k_up_folded: bool = False, v_up_folded: bool = False, dtype=None,
+                 device=None):
         super().__init__()
         if n_heads % n_kv_heads or rope_dim % 2 or freq_index.numel() != rope_dim // 2:
             raise ValueError(f"MLA geometry: n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads} and "
                              f"rope_dim {rope_dim} even with one frequency per pair ({freq_index.numel()} given)")
+        if (k_up_folded and qk_nope_dim != kv_rank) or (v_up_folded and head_dim != kv_rank):
+            raise ValueError(f"MLA geometry: a folded K_up needs qk_nope_dim == kv_rank and a folded V_up head_dim == "
+                             f"kv_rank; got qk_nope_dim {qk_nope_dim}, head_dim {head_dim}, kv_rank {kv_rank}")
         kw = dict(dtype=dtype, device=device)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.kv_rank, self.rope_dim, self.qk_nope_dim = kv_rank, rope_dim, qk_nope_dim
         self.q_proj = nn.Linear(hidden_size, n_heads * (qk_nope_dim + rope_dim), bias=q_bias, **kw)
         self.kv_a_proj = nn.Linear(hidden_size, kv_rank, bias=kv_bias, **kw)
         self.k_pe_proj = nn.Linear(hidden_size, rope_dim, bias=k_pe_bias, **kw)
-        self.k_up = nn.Parameter(torch.empty(qk_nope_dim, kv_rank, **kw))   # [r', r]
-        self.v_up = nn.Parameter(torch.empty(n_kv_heads * head_dim, kv_rank, **kw))  # [g·dh, r]
+        self.register_parameter("k_up", None if k_up_folded else  # [r', r]
+                                nn.Parameter(torch.empty(qk_nope_dim, kv_rank, **kw)))
+        self.register_parameter("v_up", None if v_up_folded else  # [g·dh, r]
+                                nn.Parameter(torch.empty(n_kv_heads * head_dim, kv_rank, **kw)))
         self.o_proj = o_proj
         self.register_buffer("freq_index", freq_index.to(device=device, dtype=torch.long).clone())
         self.layer_idx, self.scaling = layer_idx, float(scaling)
@@ -122,7 +142,8 @@ class MLAAttention(nn.Module):
         """The shapes ``adapters.mla_attention`` rebuilds an empty module from (retrofitter.json)."""
         return {"kv_rank": self.kv_rank, "rope_dim": self.rope_dim, "qk_nope_dim": self.qk_nope_dim,
                 "freq_index": self.freq_index.tolist(), "q_bias": self.q_proj.bias is not None,
-                "kv_bias": self.kv_a_proj.bias is not None, "k_pe_bias": self.k_pe_proj.bias is not None}
+                "kv_bias": self.kv_a_proj.bias is not None, "k_pe_bias": self.k_pe_proj.bias is not None,
+                "k_up_folded": self.k_up is None, "v_up_folded": self.v_up is None}
 
     def cache_numbers_per_token(self) -> int:
         return self.kv_rank + self.rope_dim
@@ -136,14 +157,16 @@ class MLAAttention(nn.Module):
 
     def heal_tensors(self) -> list[tuple[str, nn.Module, str]]:
         """(relative module path, module, tensor name) of every 2-D weight LoRA healing adapts: the four
-        projections' weights and the up-projections K_up, V_up."""
+        projections' weights and the up-projections K_up, V_up that are not folded."""
         return [(name, getattr(self, name), "weight") for name in ("q_proj", "kv_a_proj", "k_pe_proj", "o_proj")] + [
-            ("", self, "k_up"), ("", self, "v_up")]
+            ("", self, name) for name in ("k_up", "v_up") if getattr(self, name) is not None]
 
     def extra_macs_per_token(self) -> int:
         """Multiply-adds per token outside the projections: the query's absorption through K_up and each
-        head's mix through V_up (absorbed execution)."""
-        return self.n_heads * self.kv_rank * (self.qk_nope_dim + self.head_dim)
+        head's mix through V_up (absorbed execution), each 0 once folded."""
+        k_up = self.qk_nope_dim if self.k_up is not None else 0
+        v_up = self.head_dim if self.v_up is not None else 0
+        return self.n_heads * self.kv_rank * (k_up + v_up)
 
     def attention_macs_per_token(self, context: int) -> int:
         """q·k and p·v of the absorbed execution for one query over on average context/2 keys: both over the
@@ -152,8 +175,30 @@ class MLAAttention(nn.Module):
         return 2 * self.n_heads * (self.kv_rank + self.rope_dim) * (context // 2)
 
     def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
-        """K_up and V_up are read by einsums, not ``F.linear``: a weight quantizer leaves them plain."""
-        return (self.k_up, self.v_up)
+        """K_up and V_up (those not folded) are read by einsums, not ``F.linear``: a weight quantizer leaves
+        them plain."""
+        return tuple(t for t in (self.k_up, self.v_up) if t is not None)
+
+    def fold_up_projections(self) -> dict[str, bool]:
+        """Multiply K_up into q_proj where r' = r and V_up into o_proj where dh = r (module docstring), in float64,
+        once; shapes unchanged. Returns which of the two are folded now. An up-projection stays where its partner
+        is not a plain float ``nn.Linear`` (wrapped by LoRA, compressed or quantized: its weight is not the map)."""
+        heads, r = self.n_heads, self.kv_rank
+        with torch.no_grad():
+            if self.k_up is not None and self.qk_nope_dim == r and _plain_linear(self.q_proj):
+                up = self.k_up.to(torch.float64)                                    # [r', r]
+                weight = self.q_proj.weight.view(heads, r + self.rope_dim, -1)       # [h, r' + 2m, d]
+                weight[:, :r] = torch.einsum("kr,hkd->hrd", up, weight[:, :r].to(torch.float64)).to(weight.dtype)
+                if self.q_proj.bias is not None:
+                    bias = self.q_proj.bias.view(heads, r + self.rope_dim)
+                    bias[:, :r] = (bias[:, :r].to(torch.float64) @ up).to(bias.dtype)
+                self.register_parameter("k_up", None)
+            if self.v_up is not None and self.head_dim == r and _plain_linear(self.o_proj):
+                weight = self.o_proj.weight.view(-1, heads, self.head_dim)         # [d, h, dh]
+                value = self._value_heads().to(torch.float64)                      # [h, dh, r]
+                weight.copy_(torch.einsum("dhk,hkr->dhr", weight.to(torch.float64), value).to(weight.dtype))
+                self.register_parameter("v_up", None)
+        return {"k_up": self.k_up is None, "v_up": self.v_up is None}
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 **kwargs):
@@ -180,13 +225,24 @@ class MLAAttention(nn.Module):
         heads, weights = run(q_nope, q_pe, key, attention_mask, kwargs)          # [b, n, h, dh]
         return self.o_proj(heads.reshape(batch, length, -1)), weights
 
+    def _key_up(self) -> torch.Tensor:
+        """K_up [r', r], or the identity once folded (the reference's view of a folded module)."""
+        if self.k_up is not None:
+            return self.k_up
+        return torch.eye(self.kv_rank, dtype=self.q_proj.weight.dtype, device=self.q_proj.weight.device)
+
     def _value_heads(self) -> torch.Tensor:
+        """Each head's V_up [h, dh, r] (its group's), or the identity once folded."""
+        if self.v_up is None:
+            eye = torch.eye(self.kv_rank, dtype=self.q_proj.weight.dtype, device=self.q_proj.weight.device)
+            return eye.expand(self.n_heads, -1, -1)
         group = self.n_heads // self.n_kv_heads
         return self.v_up.view(self.n_kv_heads, self.head_dim, -1).repeat_interleave(group, 0)  # [h, dh, r]
 
     def _absorbed(self, q_nope, q_pe, key, attention_mask, kwargs):
         """Attention in the latent over ``key`` = [c, k_pe] [b, N, r + 2m] of every cached token."""
-        query = torch.cat([q_nope @ self.k_up, q_pe], -1)                        # [b, h, n, r + 2m]
+        q_latent = q_nope if self.k_up is None else q_nope @ self.k_up           # [b, h, n, r]
+        query = torch.cat([q_latent, q_pe], -1)                                  # [b, h, n, r + 2m]
         key = key.unsqueeze(1)                                                   # [b, 1, N, r + 2m]
         options = dict(kwargs, sliding_window=self.sliding_window) if self.sliding_window else kwargs
         heads_view = _HeadsView(self.n_heads, self.training)
@@ -204,19 +260,26 @@ class MLAAttention(nn.Module):
         if folded:  # the kernel's [b, h, 1, ·] (its query rows were the heads) back to [b, 1, h, ·]
             mixed = mixed.transpose(1, 2)
             weights = None if weights is None else weights.transpose(1, 2)       # [b, h, 1, N]
-        return torch.einsum("bnhr,hdr->bnhd", mixed[..., :self.kv_rank], self._value_heads()), weights
+        mixed = mixed[..., :self.kv_rank]                                        # [b, n, h, r]
+        if self.v_up is None:  # folded into o_proj: each head's value is the latent itself
+            return mixed, weights
+        return torch.einsum("bnhr,hdr->bnhd", mixed, self._value_heads()), weights
 
     def _decompressed(self, q_nope, q_pe, key, attention_mask, kwargs):
         """The naive function as a few large matmuls (module docstring): one shared key for every head, one value
         per kv group; the softmax in the scores' dtype."""
         batch, heads, n, _ = q_nope.shape
-        total, groups = key.shape[1], self.n_kv_heads
+        total = key.shape[1]
         latent, k_pe = key[..., :self.kv_rank], key[..., self.kv_rank:]         # [b, N, r], [b, N, 2m]
-        keys = torch.cat([F.linear(latent, self.k_up), k_pe], -1)                # [b, N, r' + 2m]
+        keys = torch.cat([latent if self.k_up is None else F.linear(latent, self.k_up), k_pe], -1)  # [b, N, r' + 2m]
         query = torch.cat([q_nope, q_pe], -1) * self.scaling                     # [b, h, n, r' + 2m]
         scores = (query.reshape(batch, heads * n, -1) @ keys.transpose(1, 2)).view(batch, heads, n, total)
         weights = torch.softmax(_masked(scores, attention_mask), -1)             # [b, h, n, N]
-        values = F.linear(latent, self.v_up).view(batch, total, groups, self.head_dim).transpose(1, 2)
+        if self.v_up is None:  # folded: every head's value is the latent, one group
+            groups, values = 1, latent.unsqueeze(1)                              # [b, 1, N, r = dh]
+        else:
+            groups = self.n_kv_heads
+            values = F.linear(latent, self.v_up).view(batch, total, groups, self.head_dim).transpose(1, 2)
         # heads i·h/g … (i+1)·h/g − 1 read group i (as _value_heads): their rows stack into one matmul per group
         mixed = weights.to(values.dtype).reshape(batch, groups, -1, total) @ values  # [b, g, (h/g)·n, dh]
         return mixed.view(batch, heads, n, self.head_dim).transpose(1, 2), weights
@@ -224,7 +287,7 @@ class MLAAttention(nn.Module):
     def _naive(self, q_nope, q_pe, key, attention_mask, kwargs):
         """Keys and values decompressed for every cached token; softmax written out (eager masks only)."""
         latent, k_pe = key[..., :self.kv_rank], key[..., self.kv_rank:]         # [b, N, r], [b, N, 2m]
-        keys = F.linear(latent, self.k_up)                                       # [b, N, r']
+        keys = F.linear(latent, self._key_up())                                  # [b, N, r']
         values = torch.einsum("bnr,hdr->bhnd", latent, self._value_heads())      # [b, h, N, dh]
         scores = (q_nope @ keys.unsqueeze(1).transpose(-1, -2)
                   + q_pe @ k_pe.unsqueeze(1).transpose(-1, -2)) * self.scaling   # [b, h, n, N]

@@ -5,9 +5,10 @@ One pass over the layers (llm-compressor's shape: the loop owns the layers, the 
 the calibration stream enters layer l, the second moment of the attention input is collected, the layer's
 q/k/v become MLA factors (shared rotary slots + one whitened joint k/v latent), the attention module is
 swapped for ``MLAAttention`` (absorbed execution), with ``transfer_epochs`` > 0 trained to reproduce the original
-model's attention output (``transfer_target``; the original model's stream then advances alongside), and the
-stream leaves through the *converted* layer, so layer l + 1 is fitted on what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer. Budget per layer:
-``kv_ratio`` · 2·g·dh cached numbers per token, ``rope_fraction`` of them in the shared rotary key
+model's attention output (``transfer_target``; the original model's stream then advances alongside), its square
+up-projections folded into q/o (``fold_up_projections``), and the stream leaves through the *converted* layer, so
+layer l + 1 is fitted on what it will see. With a ``checkpoint_dir`` the loop resumes after the last finished layer.
+Budget per layer: ``kv_ratio`` · 2·g·dh cached numbers per token, ``rope_fraction`` of them in the shared rotary key
 (``linalg.mla.mla_budget``).
 """
 
@@ -129,6 +130,10 @@ class MLAConfig(JsonRoundTrip):
                                  "512/1024/2048/4096 against 7/4/0/0, wiki-eval perplexity 22.82 against 22.86; "
                                  "docs/results.md 13d)")
     repeat_span: int = option(64, "tokens of each repeated span (at most a quarter of the block)")
+    fold_up_projections: bool = option(True, "after each layer's fit (and transfer), multiply a square K_up into "
+                                       "q_proj and a square V_up into o_proj (exact, shapes unchanged): fewer "
+                                       "multiply-adds per prefill and decode token; --no-fold-up-projections keeps "
+                                       "them, e.g. for LoRA on K_up / V_up in heal")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
@@ -376,8 +381,9 @@ def convert_to_mla(model: nn.Module, config: MLAConfig, calibration: torch.Tenso
                             epochs=config.transfer_epochs, lr=config.mlp_transfer_lr,
                             batch_blocks=config.transfer_batch, seed=index, dtype=dtype)
                if config.mlp_transfer_lr else None)
+        folded = module.fold_up_projections() if config.fold_up_projections else {"k_up": False, "v_up": False}
         streams["stream"] = stream.advance(layer)
-        reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim,
+        reports.append({"layer": index, "kv_rank": module.kv_rank, "rope_dim": module.rope_dim, "folded": folded,
                         "qk_nope_dim": module.qk_nope_dim, "freq_index": module.freq_index.tolist(),
                         "unrotated_score_error": (None if factors.fit_errors is None else
                                                   {"identity": factors.fit_errors[0], "fitted": factors.fit_errors[1]}),
