@@ -17,7 +17,7 @@ from .latent_cache import latent_cache_layer
 from .registry import UnsupportedArchitectureError, adapter_for
 
 __all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_probabilities",
-           "attention_score_settings", "empty_mla_attention", "mla_attention_from_factors", "mla_attention_spec",
+           "attention_score_settings", "fold_mla_up_projections", "empty_mla_attention", "mla_attention_from_factors", "mla_attention_spec",
            "rebuild_mla_attention"]
 
 CAPABILITY = "latent_attention"
@@ -136,6 +136,18 @@ def mla_attention_from_factors(attention: nn.Module, model: nn.Module, factors) 
         module.k_up.copy_(factors.k_up)
         module.v_up.copy_(factors.v_up)
     return module
+
+
+def fold_mla_up_projections(model: nn.Module) -> int:
+    """Fold every MLAAttention's square up-projections into its q / o projections (``fold_up_projections``);
+    returns how many K_up and V_up were folded by this call."""
+    folded = 0
+    for module in model.modules():
+        if isinstance(module, MLAAttention):
+            before = (module.k_up is None) + (module.v_up is None)
+            after = module.fold_up_projections()
+            folded += after["k_up"] + after["v_up"] - before
+    return folded
 
 
 def mla_attention_spec(module: MLAAttention) -> dict:

@@ -3,7 +3,9 @@
 The student (the converted model) gets LoRA factors on its projections (``modules.low_rank_delta``:
 ``LatentLinear`` factors ``up`` and ``mix``/``down``, dense ``nn.Linear`` weights) and learns the
 teacher's (the original model's) next-token distribution with ``pipelines.distill.DistillationLoss``
-on token blocks [N, seq_len]; the factors are merged exactly afterwards (same layout, same ranks).
+on token blocks [N, seq_len]; the factors are merged exactly afterwards (same layout, same ranks). An MLA
+model's square up-projections, trained apart by LoRA, are then folded into its q / o projections (exact;
+``MLAAttention.fold_up_projections``).
 
 Loop: AdamW on the LoRA factors only, linear warm-up then cosine decay over the budget (``tokens``
 and/or ``minutes``, whichever ends first), gradient clipping, activation checkpointing of the decoder
@@ -30,6 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
+from ..adapters.mla_attention import fold_mla_up_projections
 from ..config import HealConfig
 from ..modules.latent_linear import LatentLinear
 from ..modules.low_rank_delta import (add_low_rank_delta, load_low_rank_delta_state, low_rank_delta_state,
@@ -310,21 +313,24 @@ def _train(run: _Run, student, blocks, config: HealConfig, accelerator, progress
     return stopped_by
 
 
-def _merge(run: _Run, student, config: HealConfig, accelerator) -> nn.Module:
-    """The whole student (gathered from FSDP2 shards / unwrapped from DDP) with its LoRA factors merged, frozen."""
+def _merge(run: _Run, student, config: HealConfig, accelerator) -> tuple[nn.Module, int]:
+    """The whole student (gathered from FSDP2 shards / unwrapped from DDP) with its LoRA factors merged, frozen,
+    and how many MLA up-projections were folded after the merge."""
     sharded = run.skeleton is not None
     student = gather_into(run.skeleton, student) if sharded else accelerator.unwrap_model(run.objective).model
     merge_low_rank_deltas(student)
+    # MLA: LoRA trained K_up / V_up (and q / o) apart; merged, the square ones fold into q / o (exact, cheaper to run)
+    folded = fold_mla_up_projections(student)
     if config.gradient_checkpointing:
         student.activation_checkpointing_disable()
     student.eval()
     for p in student.parameters():
         p.requires_grad_(False)
-    return student
+    return student, folded
 
 
 def _report(run: _Run, config: HealConfig, targets, world: int, stopped_by: str, seconds_this_run: float,
-            n_trainable: int) -> dict:
+            n_trainable: int, folded: int) -> dict:
     state, losses = run.state, run.state["losses"]
     window = max(1, len(losses) // 4)
     return {
@@ -337,6 +343,7 @@ def _report(run: _Run, config: HealConfig, targets, world: int, stopped_by: str,
         "loss_first": sum(losses[:window]) / window if losses else None,
         "loss_last": sum(losses[-window:]) / window if losses else None,
         "loss_history": losses, "autocast": run.autocast, "config": config.to_dict(),
+        "folded_up_projections": folded,
     }
 
 
@@ -360,5 +367,6 @@ def heal_model(student: nn.Module, teacher: nn.Module | None, blocks: torch.Tens
     stopped_by = _train(run, student, blocks, config, accelerator, progress, on_step, description)
     seconds_this_run = time.perf_counter() - start
     n_trainable = sum(p.numel() for p in run.trainable)  # DTensor numel: the whole tensor's
-    student = _merge(run, student, config, accelerator)
-    return student, _report(run, config, targets, accelerator.num_processes, stopped_by, seconds_this_run, n_trainable)
+    student, folded = _merge(run, student, config, accelerator)
+    return student, _report(run, config, targets, accelerator.num_processes, stopped_by, seconds_this_run, n_trainable,
+                            folded)

@@ -130,10 +130,10 @@ class MLAConfig(JsonRoundTrip):
                                  "512/1024/2048/4096 against 7/4/0/0, wiki-eval perplexity 22.82 against 22.86; "
                                  "docs/results.md 13d)")
     repeat_span: int = option(64, "tokens of each repeated span (at most a quarter of the block)")
-    fold_up_projections: bool = option(True, "after each layer's fit (and transfer), multiply a square K_up into "
+    fold_up_projections: bool = option(False, "after each layer's fit (and transfer), multiply a square K_up into "
                                        "q_proj and a square V_up into o_proj (exact, shapes unchanged): fewer "
-                                       "multiply-adds per prefill and decode token; --no-fold-up-projections keeps "
-                                       "them, e.g. for LoRA on K_up / V_up in heal")
+                                       "multiply-adds per prefill and decode token, for a model served without "
+                                       "heal; heal folds them itself after training them with LoRA")
     rope_context: int = option(2048, "distance L over which a slot's rotation is judged when ranking slots")
     batch_size: int = option(8, "calibration batch size")
     damping: float = option(1e-6, "relative damping of the input second moment in the whitened fit")
