@@ -121,12 +121,13 @@ def run_demo(out="runs/demo", model_name: str = "smollm2-135m", ratios=(0.1, 0.2
         model = copy.deepcopy(original)
         t0 = time.perf_counter()
         # served without heal: fold the square up-projections now (exact; fewer multiply-adds per token)
-        convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, fold_up_projections=True), calibration, progress=progress)
+        mla_config = MLAConfig(kv_ratio=kv_ratio, fold_up_projections=True)
+        convert_to_mla(model, mla_config, calibration, progress=progress)
         record = evaluate_record(model, tokenizer, eval_config, progress=progress, blocks=blocks, name=model_name,
                                  method=f"mla-kv{kv_ratio:g}", ratio=None, baseline=before)
         record.add_timings(convert=time.perf_counter() - t0)
         record.add_settings(calib="wiki-calib", calib_samples=calib_samples, calib_seq_len=seq_len,
-                            mla_config=MLAConfig(kv_ratio=kv_ratio, fold_up_projections=True).to_dict())
+                            mla_config=mla_config.to_dict())
         keep(record, f"mla-kv{kv_ratio:g}.json")
         mla_models.append((f"mla-kv{kv_ratio:g}", model))
     if most_compressed is not None:

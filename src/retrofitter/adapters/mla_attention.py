@@ -17,8 +17,8 @@ from .latent_cache import latent_cache_layer
 from .registry import UnsupportedArchitectureError, adapter_for
 
 __all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_probabilities",
-           "attention_score_settings", "fold_mla_up_projections", "empty_mla_attention", "mla_attention_from_factors", "mla_attention_spec",
-           "rebuild_mla_attention"]
+           "attention_score_settings", "fold_mla_up_projections", "empty_mla_attention", "mla_attention_from_factors",
+           "mla_attention_spec", "rebuild_mla_attention"]
 
 CAPABILITY = "latent_attention"
 
