@@ -69,13 +69,16 @@ def test_the_build_is_pinned_and_cached(llama_cpp):
         llama_cpp_tool("llama-server")
 
 
-@pytest.mark.parametrize("convert", [True, False], ids=["mla-deepseek2", "original-llama"])
-def test_gguf_scores_in_llama_cpp_as_the_model_does(llama_cpp, tokenizer, tmp_path, convert):
+@pytest.mark.parametrize("convert, fold", [(True, False), (True, True), (False, False)],
+                         ids=["mla-deepseek2", "mla-deepseek2-folded", "original-llama"])
+def test_gguf_scores_in_llama_cpp_as_the_model_does(llama_cpp, tokenizer, tmp_path, convert, fold):
     model = _tiny(tokenizer)
     if convert:
         calibration = torch.randint(0, len(tokenizer), (4, 64), generator=torch.Generator().manual_seed(1))
-        convert_to_mla(model, MLAConfig(kv_ratio=0.5, rope_fraction=0.5, rope_selection="progression"),
-                       calibration, progress=False)
+        convert_to_mla(model, MLAConfig(kv_ratio=0.5, rope_fraction=0.5, rope_selection="progression",
+                                        fold_up_projections=fold), calibration, progress=False)
+        # folded: K_up / V_up are the identity blocks of DeepSeek's kv_b_proj
+        assert (model.model.layers[0].self_attn.k_up is None) is fold
     record = export_gguf(model, tmp_path / "model.gguf", tokenizer, progress=False)
     meta = gguf_metadata(tmp_path / "model.gguf")
     if convert:
