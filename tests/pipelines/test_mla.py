@@ -22,7 +22,7 @@ SUPPORTED = ["llama", "mistral", "qwen2"]
 CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
 
 
-def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, selection="progression", fold=True):
+def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, selection="progression", fold=False):
     model = strong_tiny(family, dtype=dtype)
     convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=rope_fraction, rope_selection=selection,
                                     damping=1e-9, fold_up_projections=fold), CALIBRATION, progress=False)
@@ -71,8 +71,10 @@ def _full_and_stepwise(model, ids, mask):
     # HF's eager kernel turns a fully masked (padded) float64 row into NaN, so padding runs in float32:
     # two float32 executions of ~100-term sums, logits of order 10
     (torch.float32, True, "eager", 1e-4)])
-def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padded, kernel, tolerance):
-    model = _converted(family, kv_ratio=0.25, dtype=dtype)
+@pytest.mark.parametrize("fold", [False, True], ids=["up-projections", "folded"])
+def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padded, kernel, tolerance, fold):
+    model = _converted(family, kv_ratio=0.25, dtype=dtype, fold=fold)
+    assert (model.model.layers[0].self_attn.k_up is None) is fold
     model.config._attn_implementation = kernel
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
