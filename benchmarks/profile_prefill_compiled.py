@@ -13,6 +13,10 @@ Beside the times, the bound from arithmetic: each model's multiply-adds per toke
 
     python benchmarks/profile_prefill_compiled.py smollm2-135m runs/mla-0.25 --tokens 512 --threads 2
 
+``--attn-implementations`` gives each model its HF attention kernel (comma-separated, one per model; the same
+model may be listed twice with two kernels). An MLA model under ``flex_attention`` (or eager) reads the
+value c [r] instead of the key [c, k_pe] (modules/mla_attention.py), which SDPA's fused CPU kernel cannot.
+
 Writes --json (default benchmarks/results/profile_prefill_compiled.json) and prints the table.
 """
 
@@ -59,12 +63,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--top", type=int, default=6, help="ops listed per profile")
+    parser.add_argument("--attn-implementations", default=None,
+                        help="comma-separated HF attention implementations, one per model (default: each model's own)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "profile_prefill_compiled.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    labels = unique_labels(args.models)
+    kernels = args.attn_implementations.split(",") if args.attn_implementations else [None] * len(args.models)
+    if len(kernels) != len(args.models):
+        parser.error(f"--attn-implementations names {len(kernels)} kernels for {len(args.models)} models")
+    labels = unique_labels([path if kernel is None else f"{path} [{kernel}]"
+                            for path, kernel in zip(args.models, kernels)])
     models = {label: load_model(path)[0].eval() for label, path in zip(labels, args.models)}
+    for model, kernel in zip(models.values(), kernels):
+        if kernel is not None:
+            model.set_attn_implementation(kernel)
     vocab = min(m.get_input_embeddings().num_embeddings for m in models.values())
     ids = torch.randint(3, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     fns = {}
@@ -72,9 +85,13 @@ def main() -> None:
         fns[label, "eager"] = prefill_fn(model)
         fns[label, "compiled"] = torch.compile(prefill_fn(model), dynamic=False)
     seconds = {key: [] for key in fns}
-    with torch.inference_mode():
-        for fn in fns.values():  # warm-up (and compile)
-            fn(ids), fn(ids)
+    # every model's compiled forward shares the code object of prefill_fn's lambda: one cache entry per model and
+    # kernel, more than dynamo's default limit of 8 recompiles with several models (as bench_decode)
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=8192,
+                                                            fail_on_recompile_limit_hit=True):
+        for _ in range(2):  # warm-up (and compile), in rounds: a later model's first call may change a global a
+            for fn in fns.values():  # compiled graph guards on (HF's flex wrapper), which recompiles it once
+                fn(ids)
         for _ in range(args.repeats):
             for key, fn in fns.items():
                 start = time.perf_counter()

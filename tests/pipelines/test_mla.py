@@ -91,6 +91,45 @@ def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padd
         torch.testing.assert_close(outputs[execution][valid], outputs["naive"][valid], rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["up-projections", "folded"])
+def test_absorbed_under_flex_attention_reads_the_narrow_value_and_equals_naive(fold, monkeypatch):
+    """flex_attention takes the value c [r] (narrower than the key): a left-padded prefill and decoding through the
+    cache equal the naive reference (run under eager masks: it takes no BlockMask). Float32 (inductor's CPU flex
+    kernel); the decoding unpadded: inductor does not compile a left-padded flex decode step on CPU (PyTorch 2.13,
+    a C++ error), for the original model as well."""
+    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32, fold=fold)
+    widths = []
+    original_resolver = model.model.layers[0].self_attn._attention_resolver
+
+    def recording_resolver():
+        kernel = original_resolver()
+        return lambda module, query, key, value, *args, **kwargs: (
+            widths.append((key.shape[-1], value.shape[-1])) or kernel(module, query, key, value, *args, **kwargs))
+
+    monkeypatch.setattr(model.model.layers[0].self_attn, "_attention_resolver", recording_resolver)
+    ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    model.config._attn_implementation = "eager"
+    _set_execution(model, "naive")
+    expected, _ = _full_and_stepwise(model, ids, mask)
+    model.config._attn_implementation = "flex_attention"
+    _set_execution(model, "absorbed")
+    full, stepwise = _full_and_stepwise(model, ids, mask)
+    attention = model.model.layers[0].self_attn
+    # two float32 executions of ~100-term sums, logits of order 10
+    torch.testing.assert_close(full, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stepwise, expected, rtol=1e-4, atol=1e-4)
+    mask[1, :4] = 0  # left padding, prefill only
+    valid = mask.bool()
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits
+        model.config._attn_implementation = "eager"
+        _set_execution(model, "naive")
+        padded_expected = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(padded[valid], padded_expected[valid], rtol=1e-4, atol=1e-4)
+    assert widths and set(widths) == {(attention.kv_rank + attention.rope_dim, attention.kv_rank)}
+
+
 @pytest.mark.parametrize("family", SUPPORTED)
 @pytest.mark.parametrize("execution", ["decompressed", "absorbed"])
 def test_training_gradients_equal_the_naive_ones(family, execution):
@@ -214,9 +253,12 @@ def test_progression_uses_one_step_for_every_layer_so_one_rope_base_holds_them()
                        progress=False)
 
 
-def test_attention_macs_count_what_the_absorbed_kernel_computes():
+@pytest.mark.parametrize("narrow", [False, True], ids=["key-as-value", "narrow-value"])
+def test_attention_macs_count_what_the_absorbed_kernel_computes(narrow, monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from retrofitter.adapters import mla_attention as mla_adapter
 
     seen = []
 
@@ -224,9 +266,12 @@ def test_attention_macs_count_what_the_absorbed_kernel_computes():
         seen.append((query.shape, key.shape, value.shape))
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
-    AttentionInterface.register("retrofitter_test_recording_sdpa", recording_sdpa)
+    name = "retrofitter_test_recording_sdpa"
+    AttentionInterface.register(name, recording_sdpa)
+    if narrow:  # the recording kernel as one that takes a value narrower than the key
+        monkeypatch.setattr(mla_adapter, "NARROW_VALUE_IMPLEMENTATIONS", (name,))
     model = _converted("llama", kv_ratio=0.25, dtype=torch.float32)
-    model.set_attn_implementation("retrofitter_test_recording_sdpa")
+    model.set_attn_implementation(name)
     n = 16
     ids = torch.randint(3, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -235,7 +280,10 @@ def test_attention_macs_count_what_the_absorbed_kernel_computes():
     full = sum(q[0] * q[1] * q[2] * k[2] * (q[3] + v[3]) for q, k, v in seen)
     assert len(seen) == len(model.model.layers)
     attention = model.model.layers[0].self_attn
-    assert full == len(model.model.layers) * 2 * attention.n_heads * (attention.kv_rank + attention.rope_dim) * n * n
+    value_width = attention.kv_rank if narrow else attention.kv_rank + attention.rope_dim
+    assert {v[3] for _, _, v in seen} == {value_width}
+    assert full == len(model.model.layers) * attention.n_heads * (
+        attention.kv_rank + attention.rope_dim + value_width) * n * n
     # the accounting's causal average: n/2 keys per query
     assert account(model, context=n).attention_macs_per_token * n * 2 == full
 

@@ -8,6 +8,8 @@ the MLA format and have no exact fold. Everything else is refused in one line be
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -18,9 +20,13 @@ from .registry import UnsupportedArchitectureError, adapter_for
 
 __all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_probabilities",
            "attention_score_settings", "fold_mla_up_projections", "empty_mla_attention", "mla_attention_from_factors",
-           "mla_attention_spec", "rebuild_mla_attention"]
+           "mla_attention_spec", "narrow_value_resolver", "rebuild_mla_attention",
+           "NARROW_VALUE_IMPLEMENTATIONS"]
 
 CAPABILITY = "latent_attention"
+# HF attention implementations whose kernel takes a value narrower than the key (MLAAttention's narrow_value):
+# eager multiplies p·v as given, flex_attention's fused kernel takes its own value width.
+NARROW_VALUE_IMPLEMENTATIONS = ("eager", "flex_attention")
 
 
 def check_mla_supported(model: nn.Module) -> None:
@@ -100,6 +106,13 @@ def attention_score_settings(model: nn.Module, attention: nn.Module) -> tuple[fl
     return float(attention.scaling), adapter_for(model).sliding_window(attention)
 
 
+def narrow_value_resolver(config) -> Callable[[], bool]:
+    """() -> whether ``config``'s attention implementation now is one of ``NARROW_VALUE_IMPLEMENTATIONS`` (read
+    at call time, as the kernel: the implementation can be switched after conversion). Any other, one registered
+    by a user included, reads the key as the value: correct with every kernel, only wider."""
+    return lambda: config._attn_implementation in NARROW_VALUE_IMPLEMENTATIONS
+
+
 def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> MLAAttention:
     """An MLAAttention of ``spec``'s shapes (weights uninitialised) in place of HF ``attention``."""
     adapter = adapter_for(model, capability=CAPABILITY)
@@ -114,7 +127,7 @@ def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> M
         cache_layer=latent_cache_layer, q_bias=spec["q_bias"], kv_bias=spec["kv_bias"], k_pe_bias=spec["k_pe_bias"],
         sliding_window=adapter.sliding_window(attention), cache_kwarg=adapter.cache_kwarg,
         k_up_folded=spec.get("k_up_folded", False), v_up_folded=spec.get("v_up_folded", False),  # absent: before folds
-        dtype=reference.dtype, device=reference.device)
+        narrow_value=narrow_value_resolver(attention.config), dtype=reference.dtype, device=reference.device)
     module.source_class = type(attention).__name__
     return module
 

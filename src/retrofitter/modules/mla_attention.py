@@ -12,7 +12,10 @@ Three executions of the same function (``MLA_EXECUTIONS``, the attribute ``execu
 * ``absorbed`` (default): the query's no-rotation part is moved into the latent, q̂_i = K_upᵀ q_nope,i [r], and
   attention runs once over one shared key [c, k_pe] [r + 2m] and value c [r] (multi-query, one kv "head"
   for all h heads, through HF's attention kernel; a decode step hands the kernel its h heads as h query rows
-  of one head); V_up is applied to each head's mix before o_proj.
+  of one head); V_up is applied to each head's mix before o_proj. Kernels that take a value narrower than
+  the key (HF's eager and flex_attention) read the value c [r]; the others (sdpa, flash) read the key
+  itself as the value and the mix of its last 2m dims is dropped: SDPA's fused CPU kernel needs equal
+  widths (a narrower value sends it to its math path, which materialises the [n, N] scores).
 * ``naive`` (the reference, for tests): keys K_up c and values V_up c decompressed for every cached token,
   softmax written out.
 * ``decompressed`` (training: the attention transfer, pipelines/mla_transfer.py): the naive function laid out for
@@ -104,6 +107,8 @@ class MLAAttention(nn.Module):
         cache_kwarg: the keyword under which the decoder layer passes the cache.
         k_up_folded, v_up_folded: build without K_up / V_up, already folded into q_proj / o_proj (a saved
             model's spec; needs r' = r / dh = r).
+        narrow_value: () -> whether the kernel ``attention_resolver`` gives now takes a value narrower than its
+            key (then the absorbed value is c [r], else the key [c, k_pe]); None: never.
     """
 
     def __init__(self, *, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_rank: int,
@@ -111,8 +116,8 @@ class MLAAttention(nn.Module):
                  scaling: float, attention_resolver: Callable[[], Callable],
                  cache_layer: Callable[[object, int], object] | None = None, q_bias: bool = False,
                  kv_bias: bool = False, k_pe_bias: bool = False, sliding_window: int | None = None,
-                 cache_kwarg: str = "cache", k_up_folded: bool = False, v_up_folded: bool = False, dtype=None,
-                 device=None):
+                 cache_kwarg: str = "cache", k_up_folded: bool = False, v_up_folded: bool = False,
+                 narrow_value: Callable[[], bool] | None = None, dtype=None, device=None):
         super().__init__()
         if n_heads % n_kv_heads or rope_dim % 2 or freq_index.numel() != rope_dim // 2:
             raise ValueError(f"MLA geometry: n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads} and "
@@ -137,6 +142,7 @@ class MLAAttention(nn.Module):
         self.cache_kwarg = cache_kwarg
         self.execution = "absorbed"  # MLA_EXECUTIONS (module docstring)
         self._attention_resolver, self._cache_layer = attention_resolver, cache_layer
+        self._narrow_value = narrow_value
 
     def spec(self) -> dict:
         """The shapes ``adapters.mla_attention`` rebuilds an empty module from (retrofitter.json)."""
@@ -169,10 +175,14 @@ class MLAAttention(nn.Module):
         return self.n_heads * self.kv_rank * (k_up + v_up)
 
     def attention_macs_per_token(self, context: int) -> int:
-        """q·k and p·v of the absorbed execution for one query over on average context/2 keys: both over the
-        shared key [c, k_pe] of width r + 2m in each of the h heads (the value is the key itself; the mix of
-        its last 2m dims is computed by the kernel and dropped)."""
-        return 2 * self.n_heads * (self.kv_rank + self.rope_dim) * (context // 2)
+        """q·k and p·v of the absorbed execution for one query over on average context/2 keys, in each of the
+        h heads: q·k over the shared key [c, k_pe] of width r + 2m; p·v over the value the kernel resolved now
+        reads (module docstring): c [r], or the key itself (its last 2m dims mixed and dropped)."""
+        value_width = self.kv_rank if self._takes_narrow_value() else self.kv_rank + self.rope_dim
+        return self.n_heads * (self.kv_rank + self.rope_dim + value_width) * (context // 2)
+
+    def _takes_narrow_value(self) -> bool:
+        return self._narrow_value is not None and bool(self._narrow_value())
 
     def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
         """K_up and V_up (those not folded) are read by einsums, not ``F.linear``: a weight quantizer leaves
@@ -252,11 +262,13 @@ class MLAAttention(nn.Module):
         folded = query.shape[2] == 1 and (attention_mask is None or isinstance(attention_mask, torch.Tensor))
         if folded:
             query, heads_view = query.transpose(1, 2), _HeadsView(1, self.training, is_causal=False)
-        # The value is the key itself (FlashMLA's layout): fused CPU/GPU kernels need equal q/k/v head sizes
-        # (a value of width r sends SDPA to its math path, which materialises the [n, N] scores); the
-        # mix of its last 2m dims is dropped.
-        mixed, weights = self._attention_resolver()(heads_view, query, key, key, attention_mask, dropout=0.0,
-                                                    scaling=self.scaling, **options)  # [b, n, h, r + 2m]
+        # The value: the latent c [r] where the kernel takes a narrower value than its key; else the key itself
+        # (FlashMLA's layout), since fused kernels such as SDPA's on CPU need equal q/k/v head sizes (a value
+        # of width r sends SDPA to its math path, which materialises the [n, N] scores); the mix of its last
+        # 2m dims is then dropped.
+        value = key[..., :self.kv_rank] if self._takes_narrow_value() else key  # [b, 1, N, r or r + 2m]
+        mixed, weights = self._attention_resolver()(heads_view, query, key, value, attention_mask, dropout=0.0,
+                                                    scaling=self.scaling, **options)  # [b, n, h, r or r + 2m]
         if folded:  # the kernel's [b, h, 1, ·] (its query rows were the heads) back to [b, 1, h, ·]
             mixed = mixed.transpose(1, 2)
             weights = None if weights is None else weights.transpose(1, 2)       # [b, h, 1, N]
