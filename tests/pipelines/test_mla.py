@@ -16,23 +16,10 @@ from retrofitter.eval.accounting import account
 from retrofitter.modules.mla_attention import MLA_EXECUTIONS, MLAAttention
 from retrofitter.pipelines.mla import MLAConfig, convert_to_mla
 from greedy import assert_same_greedy, generated
+from mla_helpers import CALIBRATION, converted_mla, full_and_stepwise, set_execution
 from tiny_models import TINY_VOCAB, strong_tiny
 
 SUPPORTED = ["llama", "mistral", "qwen2"]
-CALIBRATION = torch.randint(3, TINY_VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
-
-
-def _converted(family, kv_ratio=0.5, dtype=torch.float64, rope_fraction=0.5, selection="progression", fold=False):
-    model = strong_tiny(family, dtype=dtype)
-    convert_to_mla(model, MLAConfig(kv_ratio=kv_ratio, rope_fraction=rope_fraction, rope_selection=selection,
-                                    damping=1e-9, fold_up_projections=fold), CALIBRATION, progress=False)
-    return model
-
-
-def _set_execution(model, execution: str) -> None:
-    for module in model.modules():
-        if isinstance(module, MLAAttention):
-            module.execution = execution
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
@@ -41,27 +28,15 @@ def test_full_budget_reproduces_the_original_logits(family, random_ids):
     with torch.no_grad():
         expected = original(random_ids).logits
     # every rotary slot shared (more than one per frequency: "score"), latent of full rank
-    model = _converted(family, kv_ratio=1.0, selection="score")
+    model = converted_mla(family, kv_ratio=1.0, selection="score")
     assert all(isinstance(layer.self_attn, MLAAttention) for layer in model.model.layers)
     with torch.no_grad():
         got = model(random_ids).logits
     # float64 end to end; logits of order 10 through two layers of eigen/QR/SVD-based refactoring
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
-    converted = _converted(family, kv_ratio=0.25)
+    converted = converted_mla(family, kv_ratio=0.25)
     with torch.no_grad():
         assert float((converted(random_ids).logits - expected).abs().max()) > 1e-3  # a real budget changes them
-
-
-def _full_and_stepwise(model, ids, mask):
-    """Logits of one full forward and of one token at a time through the cache."""
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask).logits
-        cache, steps = None, []
-        for t in range(ids.shape[1]):
-            out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits)
-    return full, torch.cat(steps, 1)
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
@@ -73,7 +48,7 @@ def _full_and_stepwise(model, ids, mask):
     (torch.float32, True, "eager", 1e-4)])
 @pytest.mark.parametrize("fold", [False, True], ids=["up-projections", "folded"])
 def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padded, kernel, tolerance, fold):
-    model = _converted(family, kv_ratio=0.25, dtype=dtype, fold=fold)
+    model = converted_mla(family, kv_ratio=0.25, dtype=dtype, fold=fold)
     assert (model.model.layers[0].self_attn.k_up is None) is fold
     model.config._attn_implementation = kernel
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -83,51 +58,12 @@ def test_absorbed_equals_naive_prefill_and_through_the_cache(family, dtype, padd
     valid = mask.bool()
     outputs = {}
     for execution in MLA_EXECUTIONS:
-        _set_execution(model, execution)
-        full, stepwise = _full_and_stepwise(model, ids, mask)
+        set_execution(model, execution)
+        full, stepwise = full_and_stepwise(model, ids, mask)
         torch.testing.assert_close(stepwise[valid], full[valid], rtol=tolerance, atol=tolerance)
         outputs[execution] = full
     for execution in ("absorbed", "decompressed"):
         torch.testing.assert_close(outputs[execution][valid], outputs["naive"][valid], rtol=tolerance, atol=tolerance)
-
-
-@pytest.mark.parametrize("fold", [False, True], ids=["up-projections", "folded"])
-def test_absorbed_under_flex_attention_reads_the_narrow_value_and_equals_naive(fold, monkeypatch):
-    """flex_attention takes the value c [r] (narrower than the key): a left-padded prefill and decoding through the
-    cache equal the naive reference (run under eager masks: it takes no BlockMask). Float32 (inductor's CPU flex
-    kernel); the decoding unpadded: inductor does not compile a left-padded flex decode step on CPU (PyTorch 2.13,
-    a C++ error), for the original model as well."""
-    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32, fold=fold)
-    widths = []
-    original_resolver = model.model.layers[0].self_attn._attention_resolver
-
-    def recording_resolver():
-        kernel = original_resolver()
-        return lambda module, query, key, value, *args, **kwargs: (
-            widths.append((key.shape[-1], value.shape[-1])) or kernel(module, query, key, value, *args, **kwargs))
-
-    monkeypatch.setattr(model.model.layers[0].self_attn, "_attention_resolver", recording_resolver)
-    ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    model.config._attn_implementation = "eager"
-    _set_execution(model, "naive")
-    expected, _ = _full_and_stepwise(model, ids, mask)
-    model.config._attn_implementation = "flex_attention"
-    _set_execution(model, "absorbed")
-    full, stepwise = _full_and_stepwise(model, ids, mask)
-    attention = model.model.layers[0].self_attn
-    # two float32 executions of ~100-term sums, logits of order 10
-    torch.testing.assert_close(full, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(stepwise, expected, rtol=1e-4, atol=1e-4)
-    mask[1, :4] = 0  # left padding, prefill only
-    valid = mask.bool()
-    with torch.no_grad():
-        padded = model(input_ids=ids, attention_mask=mask).logits
-        model.config._attn_implementation = "eager"
-        _set_execution(model, "naive")
-        padded_expected = model(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(padded[valid], padded_expected[valid], rtol=1e-4, atol=1e-4)
-    assert widths and set(widths) == {(attention.kv_rank + attention.rope_dim, attention.kv_rank)}
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
@@ -135,11 +71,11 @@ def test_absorbed_under_flex_attention_reads_the_narrow_value_and_equals_naive(f
 def test_training_gradients_equal_the_naive_ones(family, execution):
     """The transfer's executions' gradients (every parameter the logits depend on) are the reference's, in float64,
     on the module the transfer trains (up-projections not yet folded)."""
-    model = _converted(family, kv_ratio=0.25, fold=False)
+    model = converted_mla(family, kv_ratio=0.25, fold=False)
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     grads = {}
     for run in ("naive", execution):
-        _set_execution(model, run)
+        set_execution(model, run)
         model.zero_grad(set_to_none=True)
         model(ids).logits.pow(2).mean().backward()
         grads[run] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -150,15 +86,15 @@ def test_training_gradients_equal_the_naive_ones(family, execution):
 
 
 def test_an_unknown_execution_is_refused(random_ids):
-    model = _converted("llama")
-    _set_execution(model, "flash")
+    model = converted_mla("llama")
+    set_execution(model, "flash")
     with pytest.raises(ValueError, match="execution must be one of"):
         model(random_ids)
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_save_load_generate_and_cache_bytes(family, tmp_path):
-    model = _converted(family, kv_ratio=0.25, dtype=torch.float32)
+    model = converted_mla(family, kv_ratio=0.25, dtype=torch.float32)
     ids = torch.randint(3, TINY_VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
     retrofitter.save(model, tmp_path / "mla", metadata={"method": "mla"})
     loaded = load_retrofitted(tmp_path / "mla")
@@ -212,7 +148,7 @@ def test_heal_adapts_the_mla_tensors_and_merges_exactly(tmp_path):
     from retrofitter.config import HealConfig
     from retrofitter.pipelines.heal import heal_model, heal_targets
 
-    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32, fold=False)
+    model = converted_mla("llama", kv_ratio=0.25, dtype=torch.float32, fold=False)
     teacher = strong_tiny("llama")
     names = {t.short for t in heal_targets(model)}
     assert {"self_attn.k_up", "self_attn.v_up", "self_attn.kv_a_proj.weight", "self_attn.q_proj.weight",
@@ -253,41 +189,6 @@ def test_progression_uses_one_step_for_every_layer_so_one_rope_base_holds_them()
                        progress=False)
 
 
-@pytest.mark.parametrize("narrow", [False, True], ids=["key-as-value", "narrow-value"])
-def test_attention_macs_count_what_the_absorbed_kernel_computes(narrow, monkeypatch):
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from retrofitter.adapters import mla_attention as mla_adapter
-
-    seen = []
-
-    def recording_sdpa(module, query, key, value, mask, **kwargs):  # the shapes every kernel call receives
-        seen.append((query.shape, key.shape, value.shape))
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-
-    name = "retrofitter_test_recording_sdpa"
-    AttentionInterface.register(name, recording_sdpa)
-    if narrow:  # the recording kernel as one that takes a value narrower than the key
-        monkeypatch.setattr(mla_adapter, "NARROW_VALUE_IMPLEMENTATIONS", (name,))
-    model = _converted("llama", kv_ratio=0.25, dtype=torch.float32)
-    model.set_attn_implementation(name)
-    n = 16
-    ids = torch.randint(3, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        model(ids, use_cache=False)
-    # q·k over the key width and p·v over the value width, every query against every key: [b, h, n, ·] x [b, 1, N, ·]
-    full = sum(q[0] * q[1] * q[2] * k[2] * (q[3] + v[3]) for q, k, v in seen)
-    assert len(seen) == len(model.model.layers)
-    attention = model.model.layers[0].self_attn
-    value_width = attention.kv_rank if narrow else attention.kv_rank + attention.rope_dim
-    assert {v[3] for _, _, v in seen} == {value_width}
-    assert full == len(model.model.layers) * attention.n_heads * (
-        attention.kv_rank + attention.rope_dim + value_width) * n * n
-    # the accounting's causal average: n/2 keys per query
-    assert account(model, context=n).attention_macs_per_token * n * 2 == full
-
-
 @pytest.mark.parametrize("family, fit", [(family, "attention") for family in SUPPORTED] + [("llama", "uniform")])
 def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(family, fit):
     settings = dict(kv_ratio=0.5, rope_fraction=0.25, damping=1e-9, fit_blocks=4, fit_queries=16,
@@ -309,7 +210,7 @@ def test_unrotated_fit_changes_only_the_query_side_and_lowers_the_score_error(fa
 @pytest.mark.parametrize("kv_ratio, folds", [(0.5, {"k_up": True, "v_up": True}),    # r = r' = dh = 8
                                              (0.25, {"k_up": True, "v_up": False})])  # r = r' = 4 < dh
 def test_folding_the_up_projections_keeps_the_function_and_drops_their_work(family, kv_ratio, folds, tmp_path):
-    model = _converted(family, kv_ratio=kv_ratio, fold=False)
+    model = converted_mla(family, kv_ratio=kv_ratio, fold=False)
     ids = torch.randint(3, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = model(ids).logits
@@ -326,12 +227,12 @@ def test_folding_the_up_projections_keeps_the_function_and_drops_their_work(fami
     assert before.keys() - after.keys() == gone and all(after[name] == before[name] for name in after)
     assert macs_before - account(model).macs_per_token == saved > 0
     for execution in MLA_EXECUTIONS:
-        _set_execution(model, execution)
+        set_execution(model, execution)
         with torch.no_grad():
             got = model(ids).logits
         # float64: the fold reassociates a product of three matrices (q_proj, K_up; V_up, o_proj): rounding
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
-    _set_execution(model, "absorbed")
+    set_execution(model, "absorbed")
     model.float()  # saved and loaded as a user's float32 model (load rebuilds its rotary tables in float32)
     retrofitter.save(model, tmp_path / "folded", metadata={"method": "mla"})
     loaded = load_retrofitted(tmp_path / "folded")
@@ -375,7 +276,7 @@ def test_a_quantized_partner_keeps_its_up_projection():
     """A quantized q_proj / o_proj's weight is not the map it applies: folding into it would be wrong, so it stays."""
     from retrofitter.modules.quantize import quantize_model
 
-    model = quantize_model(_converted("llama", kv_ratio=0.5, dtype=torch.float32, fold=False), "int8-weight")
+    model = quantize_model(converted_mla("llama", kv_ratio=0.5, dtype=torch.float32, fold=False), "int8-weight")
     ids = torch.randint(3, TINY_VOCAB, (1, 8), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         before = model(ids).logits

@@ -20,7 +20,7 @@ from .registry import UnsupportedArchitectureError, adapter_for
 
 __all__ = ["check_mla_supported", "model_inv_freq", "attention_kwargs_at", "attention_probabilities",
            "attention_score_settings", "fold_mla_up_projections", "empty_mla_attention", "mla_attention_from_factors",
-           "mla_attention_spec", "narrow_value_resolver", "rebuild_mla_attention",
+           "mla_attention_spec", "narrow_value_resolver", "rebuild_mla_attention", "split_decode_resolver",
            "NARROW_VALUE_IMPLEMENTATIONS"]
 
 CAPABILITY = "latent_attention"
@@ -113,6 +113,12 @@ def narrow_value_resolver(config) -> Callable[[], bool]:
     return lambda: config._attn_implementation in NARROW_VALUE_IMPLEMENTATIONS
 
 
+def split_decode_resolver(config) -> Callable[[], bool]:
+    """() -> whether ``config``'s attention implementation now is HF's ``sdpa``, whose function the split-key CPU
+    decode kernel (ops/decode_attention.py) computes."""
+    return lambda: config._attn_implementation == "sdpa"
+
+
 def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> MLAAttention:
     """An MLAAttention of ``spec``'s shapes (weights uninitialised) in place of HF ``attention``."""
     adapter = adapter_for(model, capability=CAPABILITY)
@@ -127,7 +133,8 @@ def empty_mla_attention(attention: nn.Module, model: nn.Module, spec: dict) -> M
         cache_layer=latent_cache_layer, q_bias=spec["q_bias"], kv_bias=spec["kv_bias"], k_pe_bias=spec["k_pe_bias"],
         sliding_window=adapter.sliding_window(attention), cache_kwarg=adapter.cache_kwarg,
         k_up_folded=spec.get("k_up_folded", False), v_up_folded=spec.get("v_up_folded", False),  # absent: before folds
-        narrow_value=narrow_value_resolver(attention.config), dtype=reference.dtype, device=reference.device)
+        narrow_value=narrow_value_resolver(attention.config), split_decode=split_decode_resolver(attention.config),
+        dtype=reference.dtype, device=reference.device)
     module.source_class = type(attention).__name__
     return module
 

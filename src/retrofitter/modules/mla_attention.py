@@ -15,7 +15,9 @@ Three executions of the same function (``MLA_EXECUTIONS``, the attribute ``execu
   of one head); V_up is applied to each head's mix before o_proj. Kernels that take a value narrower than
   the key (HF's eager and flex_attention) read the value c [r]; the others (sdpa, flash) read the key
   itself as the value and the mix of its last 2m dims is dropped: SDPA's fused CPU kernel needs equal
-  widths (a narrower value sends it to its math path, which materialises the [n, N] scores).
+  widths (a narrower value sends it to its math path, which materialises the [n, N] scores). A decode step on
+  CPU under sdpa (``split_decode``) splits the cached keys into one stretch per thread (ops/decode_attention.py,
+  flash-decoding): the fused kernel would run its one head of h rows on one thread.
 * ``naive`` (the reference, for tests): keys K_up c and values V_up c decompressed for every cached token,
   softmax written out.
 * ``decompressed`` (training: the attention transfer, pipelines/mla_transfer.py): the naive function laid out for
@@ -49,9 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.decode_attention import split_kv_decode_attention
+
 __all__ = ["MLA_EXECUTIONS", "MLAAttention"]
 
 MLA_EXECUTIONS = ("absorbed", "naive", "decompressed")
+MIN_SPLIT_KEYS = 256  # a CPU decode step splits its cache only into stretches of at least this many keys
 
 
 def _rope_slots(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,6 +114,8 @@ class MLAAttention(nn.Module):
             model's spec; needs r' = r / dh = r).
         narrow_value: () -> whether the kernel ``attention_resolver`` gives now takes a value narrower than its
             key (then the absorbed value is c [r], else the key [c, k_pe]); None: never.
+        split_decode: () -> whether a decode step may run the split-key CPU kernel instead of the resolved one
+            (which must then be SDPA: the same function); None: never.
     """
 
     def __init__(self, *, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_rank: int,
@@ -117,7 +124,8 @@ class MLAAttention(nn.Module):
                  cache_layer: Callable[[object, int], object] | None = None, q_bias: bool = False,
                  kv_bias: bool = False, k_pe_bias: bool = False, sliding_window: int | None = None,
                  cache_kwarg: str = "cache", k_up_folded: bool = False, v_up_folded: bool = False,
-                 narrow_value: Callable[[], bool] | None = None, dtype=None, device=None):
+                 narrow_value: Callable[[], bool] | None = None, split_decode: Callable[[], bool] | None = None,
+                 dtype=None, device=None):
         super().__init__()
         if n_heads % n_kv_heads or rope_dim % 2 or freq_index.numel() != rope_dim // 2:
             raise ValueError(f"MLA geometry: n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads} and "
@@ -142,7 +150,7 @@ class MLAAttention(nn.Module):
         self.cache_kwarg = cache_kwarg
         self.execution = "absorbed"  # MLA_EXECUTIONS (module docstring)
         self._attention_resolver, self._cache_layer = attention_resolver, cache_layer
-        self._narrow_value = narrow_value
+        self._narrow_value, self._split_decode = narrow_value, split_decode
 
     def spec(self) -> dict:
         """The shapes ``adapters.mla_attention`` rebuilds an empty module from (retrofitter.json)."""
@@ -183,6 +191,13 @@ class MLAAttention(nn.Module):
 
     def _takes_narrow_value(self) -> bool:
         return self._narrow_value is not None and bool(self._narrow_value())
+
+    def _decode_splits(self, query: torch.Tensor, total: int) -> int:
+        """Stretches of the cached keys for a CPU decode step (one per thread, each of at least
+        ``MIN_SPLIT_KEYS``), or 1: the resolved kernel runs the step."""
+        if self._split_decode is None or self.training or query.device.type != "cpu" or not self._split_decode():
+            return 1
+        return max(1, min(torch.get_num_threads(), total // MIN_SPLIT_KEYS))
 
     def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
         """K_up and V_up (those not folded) are read by einsums, not ``F.linear``: a weight quantizer leaves
@@ -262,6 +277,10 @@ class MLAAttention(nn.Module):
         folded = query.shape[2] == 1 and (attention_mask is None or isinstance(attention_mask, torch.Tensor))
         if folded:
             query, heads_view = query.transpose(1, 2), _HeadsView(1, self.training, is_causal=False)
+            splits = self._decode_splits(query, key.shape[2])
+            if splits > 1:  # [b, 1, h, r + 2m]: the kernel's layout after its transpose, as below
+                mixed = split_kv_decode_attention(query, key, key, attention_mask, self.scaling, splits)
+                return self._mixed_to_heads(mixed[..., :self.kv_rank]), None
         # The value: the latent c [r] where the kernel takes a narrower value than its key; else the key itself
         # (FlashMLA's layout), since fused kernels such as SDPA's on CPU need equal q/k/v head sizes (a value
         # of width r sends SDPA to its math path, which materialises the [n, N] scores); the mix of its last
@@ -272,10 +291,13 @@ class MLAAttention(nn.Module):
         if folded:  # the kernel's [b, h, 1, ·] (its query rows were the heads) back to [b, 1, h, ·]
             mixed = mixed.transpose(1, 2)
             weights = None if weights is None else weights.transpose(1, 2)       # [b, h, 1, N]
-        mixed = mixed[..., :self.kv_rank]                                        # [b, n, h, r]
+        return self._mixed_to_heads(mixed[..., :self.kv_rank]), weights
+
+    def _mixed_to_heads(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Each head's mix of the latent [b, n, h, r] through its V_up -> [b, n, h, dh] (as is once folded)."""
         if self.v_up is None:  # folded into o_proj: each head's value is the latent itself
-            return mixed, weights
-        return torch.einsum("bnhr,hdr->bnhd", mixed, self._value_heads()), weights
+            return mixed
+        return torch.einsum("bnhr,hdr->bnhd", mixed, self._value_heads())
 
     def _decompressed(self, q_nope, q_pe, key, attention_mask, kwargs):
         """The naive function as a few large matmuls (module docstring): one shared key for every head, one value
