@@ -42,7 +42,7 @@ def main() -> None:
     if not modules:
         raise SystemExit(f"{args.mla} has no MLA attention")
     for module in modules:
-        module._split_decode = None  # the resolved kernel (sdpa) runs every step
+        module.split_cpu_decode = False  # the resolved kernel (sdpa) runs every step
     result = bench_decode([("original", original), ("mla split", split), ("mla unsplit", unsplit)],
                           modes=args.modes.split(","), contexts=[int(n) for n in args.contexts.split(",")],
                           prefill_len=0, decode_tokens=args.decode_tokens, repeats=args.repeats, floor=False,
@@ -51,9 +51,11 @@ def main() -> None:
     for mode, by_batch in result["results"].items():
         entries = by_batch["1"]
         for label, entry in entries.items():
+            unsplit = entries["mla unsplit"]["decode"]
             print(f"{mode:<9} {label:<12} " + "  ".join(
-                f"@{n} {d['step_s']['median'] * 1e3:7.2f} ms (x{entry['ratios']['decode'][n]['step']:.3f} the original, "
-                f"x{d['step_s']['median'] / entries['mla unsplit']['decode'][n]['step_s']['median']:.3f} unsplit)"
+                f"@{n} {d['step_s']['median'] * 1e3:7.2f} ms "
+                f"(x{entry['ratios']['decode'][n]['step']:.3f} the original, "
+                f"x{d['step_s']['median'] / unsplit[n]['step_s']['median']:.3f} unsplit)"
                 for n, d in entry["decode"].items()))
 
 

@@ -75,7 +75,8 @@ def test_attention_macs_count_what_the_absorbed_kernel_computes(narrow, monkeypa
     ids = torch.randint(3, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         model(ids, use_cache=False)
-    # q·k over the key width and p·v over the value width, every query against every key: [b, h, n, ·] x [b, 1, N, ·]
+    # q·k over the key width and p·v over the value width, every query against every key:
+    # [b, h, n, ·] x [b, 1, N, ·]
     full = sum(q[0] * q[1] * q[2] * k[2] * (q[3] + v[3]) for q, k, v in seen)
     assert len(seen) == len(model.model.layers)
     attention = model.model.layers[0].self_attn
@@ -115,5 +116,10 @@ def test_decode_step_split_across_threads_equals_naive(fold, monkeypatch):
     torch.testing.assert_close(full[valid], expected[valid], rtol=1e-10, atol=1e-10)
     model.config._attn_implementation = "eager"  # any other kernel: the step is not split
     splits.clear()
+    full_and_stepwise(model, ids, mask)
+    assert splits == []
+    model.config._attn_implementation = "sdpa"  # nor with the split switched off
+    for layer in model.model.layers:
+        layer.self_attn.split_cpu_decode = False
     full_and_stepwise(model, ids, mask)
     assert splits == []

@@ -151,6 +151,7 @@ class MLAAttention(nn.Module):
         self.execution = "absorbed"  # MLA_EXECUTIONS (module docstring)
         self._attention_resolver, self._cache_layer = attention_resolver, cache_layer
         self._narrow_value, self._split_decode = narrow_value, split_decode
+        self.split_cpu_decode = True  # off: every decode step runs the resolved kernel (benchmarks compare both)
 
     def spec(self) -> dict:
         """The shapes ``adapters.mla_attention`` rebuilds an empty module from (retrofitter.json)."""
@@ -195,7 +196,8 @@ class MLAAttention(nn.Module):
     def _decode_splits(self, query: torch.Tensor, total: int) -> int:
         """Stretches of the cached keys for a CPU decode step (one per thread, each of at least
         ``MIN_SPLIT_KEYS``), or 1: the resolved kernel runs the step."""
-        if self._split_decode is None or self.training or query.device.type != "cpu" or not self._split_decode():
+        if (not self.split_cpu_decode or self._split_decode is None or self.training or query.device.type != "cpu"
+                or not self._split_decode()):
             return 1
         return max(1, min(torch.get_num_threads(), total // MIN_SPLIT_KEYS))
 
