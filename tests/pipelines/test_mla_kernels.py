@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retrofitter.eval.accounting import account
+from retrofitter.eval.decode_loop import compile_step, decode_step, make_cache, prefill
 from retrofitter.modules import mla_attention as mla_module
 from mla_helpers import converted_mla, full_and_stepwise, set_execution
 from tiny_models import TINY_VOCAB
@@ -129,3 +130,34 @@ def test_decode_step_split_across_threads_equals_naive(fold, monkeypatch):
         layer.self_attn.split_cpu_decode = False
     full_and_stepwise(model, ids, mask)
     assert splits == []
+
+
+def test_split_decode_step_compiles_to_one_graph(monkeypatch):
+    """torch.compile traces a split CPU decode step whole (``fullgraph``: a graph break raises): the thread count that
+    picks the stretches is read as a trace-time constant, where a plain ``torch.get_num_threads()`` broke the graph in
+    every layer. Eager and traced steps both split the cache, and they give the same logits."""
+    torch._dynamo.reset()
+    model = converted_mla("llama", kv_ratio=0.25, dtype=torch.float32, fold=True).eval()
+    model.config._attn_implementation = "sdpa"
+    monkeypatch.setattr(mla_module, "MIN_SPLIT_KEYS", 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the real call (a patched Python function would trace as a constant and hide the break)
+    splits = []
+    kernel = mla_module.split_kv_decode_attention
+    monkeypatch.setattr(mla_module, "split_kv_decode_attention", lambda *args: splits.append(args[-1]) or kernel(*args))
+    ids = torch.randint(3, TINY_VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    caches = [make_cache(model, "static", max_cache_len=20) for _ in range(2)]
+    tokens = prefill(model, ids, caches[0]).argmax(-1)
+    prefill(model, ids, caches[1])
+    traced = compile_step(model, backend="eager", fullgraph=True)
+    try:
+        with torch.inference_mode():
+            for index in range(3):
+                position = torch.full((1, 1), ids.shape[1] + index)
+                eager, compiled = decode_step(model, tokens, position, caches[0]), traced(tokens, position, caches[1])
+                # the same kernels on the same inputs: float32 rounding of logits of order 10
+                torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+                tokens = eager.argmax(-1)
+    finally:
+        torch.set_num_threads(threads)
+    assert splits and set(splits) == {2}  # the static cache's 20 slots: 2 stretches in every layer, eager and traced

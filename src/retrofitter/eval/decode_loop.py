@@ -103,15 +103,17 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
     return model
 
 
-def compile_step(model: nn.Module, backend: str = "inductor") -> Callable:
+def compile_step(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> Callable:
     """``decode_step`` bound to ``model`` under ``torch.compile`` (static shapes; ``backend`` "inductor"
-    generates fused kernels, "aot_eager" only traces: the quick check that tracing keeps the results)."""
+    generates fused kernels, "aot_eager" only traces: the quick check that tracing keeps the results).
+    ``fullgraph``: a graph break is an error instead of a split into several compiled regions (tests use it:
+    a break per layer costs a guard check and a region call each, and the fusion across it)."""
     prepare_for_compile(model)
 
     def step(tokens, position, cache):
         return decode_step(model, tokens, position, cache)
 
-    return torch.compile(step, dynamic=False, backend=backend)
+    return torch.compile(step, dynamic=False, backend=backend, fullgraph=fullgraph)
 
 
 def _sync(device: torch.device) -> None:

@@ -83,6 +83,14 @@ def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.
     return scores + attention_mask[..., :total].clamp(min=lowest).to(scores.dtype)
 
 
+@torch.compiler.assume_constant_result
+def _cpu_threads() -> int:
+    """``torch.get_num_threads()``, read by torch.compile at trace time as a constant (a plain call returns a
+    Python int, which breaks the traced graph in every layer); the thread count only picks how many stretches a
+    split decode step runs, not its result."""
+    return torch.get_num_threads()
+
+
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` itself whose weight is a plain floating tensor (not a quantized subclass)."""
     return type(module) is nn.Linear and type(module.weight.data) is torch.Tensor and module.weight.is_floating_point()
@@ -199,7 +207,7 @@ class MLAAttention(nn.Module):
         if (not self.split_cpu_decode or self._split_decode is None or self.training or query.device.type != "cpu"
                 or not self._split_decode()):
             return 1
-        return max(1, min(torch.get_num_threads(), total // MIN_SPLIT_KEYS))
+        return max(1, min(_cpu_threads(), total // MIN_SPLIT_KEYS))
 
     def directly_read_weights(self) -> tuple[torch.Tensor, ...]:
         """K_up and V_up (those not folded) are read by einsums, not ``F.linear``: a weight quantizer leaves
