@@ -6,7 +6,7 @@ Each model's cache (static, as ``retrofitter bench --compile``) is filled to ``-
 the profiled self CPU time, the compiled regions entered and dynamo's guard checks ("cache lookups"; one per step
 when the step is one graph, more for every graph break), and the ops that take the most self time.
 
-    python benchmarks/profile_decode_compiled.py smollm2-135m runs/mla-0.25 --context 512 --threads 2
+    python benchmarks/profile_decode_compiled.py smollm2-135m runs/mla-0.25 --context 4096 --threads 2
 
 Writes --json (default benchmarks/results/profile_decode_compiled.json) and prints one line per model.
 """

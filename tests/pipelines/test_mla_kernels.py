@@ -150,14 +150,19 @@ def test_split_decode_step_compiles_to_one_graph(monkeypatch):
     tokens = prefill(model, ids, caches[0]).argmax(-1)
     prefill(model, ids, caches[1])
     traced = compile_step(model, backend="eager", fullgraph=True)
+    traced_splits = []
     try:
         with torch.inference_mode():
             for index in range(3):
                 position = torch.full((1, 1), ids.shape[1] + index)
-                eager, compiled = decode_step(model, tokens, position, caches[0]), traced(tokens, position, caches[1])
+                eager = decode_step(model, tokens, position, caches[0])
+                before = len(splits)
+                compiled = traced(tokens, position, caches[1])
+                traced_splits += splits[before:]  # the traced step's own calls of the split kernel
                 # the same kernels on the same inputs: float32 rounding of logits of order 10
                 torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
                 tokens = eager.argmax(-1)
     finally:
         torch.set_num_threads(threads)
     assert splits and set(splits) == {2}  # the static cache's 20 slots: 2 stretches in every layer, eager and traced
+    assert traced_splits and set(traced_splits) == {2}  # the traced graph itself runs the split
