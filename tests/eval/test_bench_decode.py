@@ -28,8 +28,14 @@ def test_bench_decode_structure_ratios_and_one_trace_per_shape():
     torch._dynamo.utils.counters.clear()
     models = [("a", build_tiny("llama")), ("h", _hybrid())]
     bench = bench_decode(models, batch_sizes=(1, 2), contexts=(8, 24), prefill_len=6, decode_tokens=3,
-                         fill_prefill=6, repeats=2, warmup=1, backend="aot_eager")
+                         fill_prefill=6, repeats=2, warmup=1, backend="aot_eager",
+                         matvec={"a": "reduction", "h": "blas"})
     assert bench["kind"] == "bench_decode" and bench["settings"]["labels"] == ["a", "h", FLOOR_LABEL]
+    assert bench["settings"]["matvec"] == {"a": "reduction", "h": "blas"}
+    assert bench["results"]["compiled"]["2"]["a"]["matvec"] == {"matvec": "reduction", "blas_ms": None,
+                                                                "reduction_ms": None}
+    assert bench["results"]["compiled"]["1"]["h"]["matvec"]["matvec"] == "blas"
+    assert "matvec" not in bench["results"]["eager"]["2"]["a"]
     for mode in ("eager", "compiled"):
         for b in ("1", "2"):
             entries = bench["results"][mode][b]
@@ -66,6 +72,10 @@ def test_bench_decode_refuses_compiled_dynamic_cache_and_reserved_label():
         bench_decode([(FLOOR_LABEL, model)])
     with pytest.raises(ValueError, match="modes"):
         bench_decode([("a", model)], modes=("jit",))
+    with pytest.raises(ValueError, match="matvec must be one of"):
+        bench_decode([("a", model)], matvec="gemv")
+    with pytest.raises(ValueError, match="per model label"):
+        bench_decode([("a", model), ("b", model)], matvec={"a": "blas"})
 
 
 @pytest.mark.slow
@@ -84,5 +94,8 @@ def test_bench_cli_compile_mode(tmp_path, capsys):
     assert code == 0
     bench = json.loads(out.read_text())
     assert bench["kind"] == "bench_decode" and set(bench["results"]) == {"eager", "compiled"}
-    assert bench["results"]["compiled"]["1"][str(model_dir)]["decode"]["8"]["tokens_per_s"]["median"] > 0
-    assert "decode step @ 8" in capsys.readouterr().out
+    compiled = bench["results"]["compiled"]["1"][str(model_dir)]
+    assert compiled["decode"]["8"]["tokens_per_s"]["median"] > 0
+    assert compiled["matvec"]["matvec"] in ("blas", "reduction") and compiled["matvec"]["blas_ms"] > 0  # auto measured
+    out = capsys.readouterr().out
+    assert "decode step @ 8" in out and "decode linear maps" in out

@@ -10,8 +10,8 @@ from retrofitter.adapters.hybrid_attention import swap_to_hybrid
 from retrofitter.adapters.latent_attention import to_latent_attention
 from retrofitter.config import LinearizeConfig
 from retrofitter.eval.bench import cache_nbytes
-from retrofitter.eval.decode_loop import (SkippedProjection, compile_step, decode_step, fill_cache, greedy_decode,
-                                          make_cache, model_kind, prefill, skip_projections)
+from retrofitter.eval.decode_loop import (SkippedProjection, choose_matvec, compile_step, decode_step, fill_cache,
+                                          greedy_decode, make_cache, model_kind, prefill, skip_projections)
 from retrofitter.adapters import adapter_for
 from retrofitter.modules.latent_linear import LatentLinear
 from greedy import assert_same_greedy, generated
@@ -196,3 +196,41 @@ def test_the_floor_keeps_what_feeds_it_under_the_compiler():
         skip.source.fill_(0.5)
     expected = (torch.softmax(x @ x.transpose(-1, -2), -1) @ x)[..., :1] + 0.5
     torch.testing.assert_close(step(x), expected.expand(2, 3, 8))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mla"])
+def test_traced_step_with_reductions_equals_eager_logits(kind):
+    """``reduction_rows=b``: the traced step's linear maps are multiplies and sums (no linear call left in the
+    graph dynamo hands the backend) and its logits are the eager step's to float32 rounding."""
+    torch._dynamo.reset()
+    model = _model(kind)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = _ids()
+    caches = [make_cache(model, "static", max_cache_len=16) for _ in range(2)]
+    logits = [prefill(model, ids, cache) for cache in caches]
+    traced = compile_step(model, backend=backend, fullgraph=True, reduction_rows=ids.shape[0])  # b rows a step
+    tokens = logits[0].argmax(-1)
+    with torch.inference_mode():
+        for index in range(3):
+            position = torch.full((1, 1), ids.shape[1] + index)
+            eager, compiled = decode_step(model, tokens, position, caches[0]), traced(tokens, position, caches[1])
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+            tokens = eager.argmax(-1)
+    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert graphs and torch._C._nn.linear not in targets and torch.nn.functional.linear not in targets
+
+
+def test_choose_matvec_measures_both_forms_on_the_models_weights():
+    model = _model("softmax")
+    choice = choose_matvec(model, rows=1, repeats=2, count=3)
+    assert choice["matvec"] in ("blas", "reduction")
+    assert choice["blas_ms"] > 0 and choice["reduction_ms"] > 0
+    faster = "reduction" if choice["reduction_ms"] < choice["blas_ms"] else "blas"
+    assert choice["matvec"] == faster
+    floor = skip_projections(model)  # no plain linear weight left to read: nothing to measure
+    assert choose_matvec(floor) == {"matvec": "blas", "blas_ms": None, "reduction_ms": None}

@@ -31,6 +31,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     from ..modules.feature_maps import FEATURE_MAPS
+    from ..eval.decode_loop import MATVEC_CHOICES
     from ..modules.quantize import QUANTIZE_SCHEMES
     from ..ops.hybrid_common import LINEAR_WEIGHTS, WINDOW_KINDS
 
@@ -158,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=positive_int_list, default=(1,),
                        help="--compile: comma-separated batch sizes (default 1)")
     bench.add_argument("--no-floor", action="store_true", help="--compile: skip the overhead-floor model")
+    bench.add_argument("--matvec", choices=MATVEC_CHOICES, default="auto",
+                       help="--compile: a decode step's linear maps as BLAS calls or as fused reductions; auto "
+                            "(default) measures which is faster per model and batch size on this machine")
     add_quantize_flag(bench, QUANTIZE_SCHEMES)
     add_common(bench)
 
@@ -320,7 +324,8 @@ def _bench_compiled(args, models) -> int:
 
     bench = bench_decode([(label, model) for label, model, _ in models], batch_sizes=args.batch_sizes,
                          contexts=args.contexts, prefill_len=args.prefill_len, decode_tokens=args.decode_tokens,
-                         repeats=args.repeats, warmup=args.warmup, floor=not args.no_floor, progress=not args.quiet)
+                         repeats=args.repeats, warmup=args.warmup, floor=not args.no_floor, matvec=args.matvec,
+                         progress=not args.quiet)
     print(format_decode_table(bench))
     if args.json:
         write_json(bench, args.json)

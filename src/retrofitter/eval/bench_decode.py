@@ -32,8 +32,8 @@ from torch import nn
 
 from ..data.cache import cache_dir
 from .bench import cache_nbytes, machine_info, peak_memory
-from .decode_loop import (CACHE_KINDS, compile_step, decode_step, fill_cache, greedy_decode, make_cache,
-                          prepare_for_compile, skip_projections)
+from .decode_loop import (CACHE_KINDS, MATVEC_CHOICES, choose_matvec, compile_step, decode_step, fill_cache,
+                          greedy_decode, make_cache, prepare_for_compile, skip_projections)
 
 __all__ = ["FLOOR_LABEL", "MODES", "bench_decode"]
 
@@ -58,11 +58,19 @@ def _sync(device: torch.device) -> None:
 class _Runner:
     """One model's prefill and decode callables per (mode, batch, context), compiled once and reused."""
 
-    def __init__(self, model: nn.Module, cache_kind: str, backend: str):
-        self.model, self.cache_kind, self.backend = model, cache_kind, backend
+    def __init__(self, model: nn.Module, cache_kind: str, backend: str, matvec: str = "blas"):
+        self.model, self.cache_kind, self.backend, self.matvec = model, cache_kind, backend, matvec
         self.device = next(model.parameters()).device
         self.vocab = int(model.get_input_embeddings().num_embeddings)
         self.compiled: dict = {}
+        self.matvec_choices: dict[int, dict] = {}  # batch -> how its compiled decode step runs linear maps
+
+    def matvec_choice(self, batch: int) -> dict:
+        """``choose_matvec``'s measurement for ``matvec="auto"`` (once per batch size), else the given choice."""
+        if batch not in self.matvec_choices:
+            self.matvec_choices[batch] = (choose_matvec(self.model, rows=batch) if self.matvec == "auto" else
+                                          {"matvec": self.matvec, "blas_ms": None, "reduction_ms": None})
+        return self.matvec_choices[batch]
 
     def _forward(self, ids):
         return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
@@ -81,7 +89,8 @@ class _Runner:
             return lambda tokens, position, cache: decode_step(self.model, tokens, position, cache)
         key = ("decode", batch, context)
         if key not in self.compiled:
-            self.compiled[key] = compile_step(self.model, backend=self.backend)
+            rows = batch if self.matvec_choice(batch)["matvec"] == "reduction" else 0
+            self.compiled[key] = compile_step(self.model, backend=self.backend, reduction_rows=rows)
         return self.compiled[key]
 
     def _cache(self, mode: str, batch: int, context: int, steps: int):
@@ -119,7 +128,7 @@ class _Runner:
                 "peak_mb": record["peak_mb"], "cache_bytes": cache_bytes}
 
 
-def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup) -> None:
+def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup, matvec) -> None:
     labels = [label for label, _ in models]
     if not models or len(set(labels)) != len(labels):
         raise ValueError(f"bench_decode needs models with unique labels; got {labels}")
@@ -127,6 +136,10 @@ def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, 
         raise ValueError(f"{FLOOR_LABEL!r} is reserved for the overhead floor")
     if not modes or any(mode not in MODES for mode in modes):
         raise ValueError(f"modes must be among {MODES}; got {list(modes)}")
+    choices = matvec if isinstance(matvec, dict) else {label: matvec for label in labels}
+    if set(choices) != set(labels) or any(choice not in MATVEC_CHOICES for choice in choices.values()):
+        raise ValueError(f"matvec must be one of {MATVEC_CHOICES}, or one of them per model label {labels}; "
+                         f"got {matvec!r}")
     if cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS}; got {cache!r}")
     if "compiled" in modes and cache != "static":
@@ -141,21 +154,25 @@ def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, 
 def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_sizes=(1,), contexts=(512,),
                  prefill_len: int = 512, decode_tokens: int = 32, cache: str = "static", fill_prefill: int = 512,
                  repeats: int = 3, warmup: int = 1, floor: bool = True, backend: str = "inductor", seed: int = 0,
-                 progress: bool = False) -> dict:
+                 matvec: str | dict[str, str] = "auto", progress: bool = False) -> dict:
     """Benchmark ``models = [(label, model), ...]`` (module docstring); returns the ``"bench_decode"`` dict.
 
     ``prefill_len=0`` skips the prefill measurement. ``results[mode][str(b)][label]`` holds ``prefill``
     (seconds summary) and ``decode[str(n)]`` (``step_s`` and ``tokens_per_s`` summaries, ``peak_mb``,
     ``cache_bytes``); ``ratios`` has the same keys with ``prefill``/``step`` ratios and their ``net`` forms.
+    ``matvec`` (``decode_loop.MATVEC_CHOICES``): how each compiled decode step runs its linear maps; "auto"
+    measures it per model and batch size (``decode_loop.choose_matvec``), recorded in the compiled entries'
+    ``matvec``; a dict gives each model label its own (benchmarks run one model both ways under two labels).
     """
     modes, batch_sizes, contexts = list(modes), [int(b) for b in batch_sizes], [int(n) for n in contexts]
-    _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup)
+    _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup, matvec)
     inductor_cache = None
     if "compiled" in modes:  # compiled kernels and graphs persist between runs (minutes of compiling saved)
         inductor_cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    runners = {label: _Runner(model, cache, backend) for label, model in models}
-    if floor:
-        runners[FLOOR_LABEL] = _Runner(skip_projections(models[0][1]), cache, backend)
+    choices = matvec if isinstance(matvec, dict) else {label: matvec for label, _ in models}
+    runners = {label: _Runner(model, cache, backend, choices[label]) for label, model in models}
+    if floor:  # no projection left to run either way
+        runners[FLOOR_LABEL] = _Runner(skip_projections(models[0][1]), cache, backend, "blas")
     raw = {mode: {b: {label: {"prefill": [], **{n: [] for n in contexts}} for label in runners}
                   for b in batch_sizes} for mode in modes}
     with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=8192,
@@ -177,6 +194,9 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
                             samples[n].append(runner.decode(mode, b, n, decode_tokens, fill_prefill, seed + n))
     results = {mode: {str(b): {label: _entry(raw[mode][b][label], contexts, warmup) for label in runners}
                       for b in batch_sizes} for mode in modes}
+    for b, entries in results.get("compiled", {}).items():
+        for label, entry in entries.items():
+            entry["matvec"] = runners[label].matvec_choice(int(b))
     for by_batch in results.values():
         for entries in by_batch.values():
             _add_ratios(entries, models[0][0])
@@ -184,6 +204,7 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
             "settings": {"modes": modes, "batch_sizes": batch_sizes, "contexts": contexts, "prefill_len": prefill_len,
                          "decode_tokens": decode_tokens, "cache": cache, "fill_prefill": fill_prefill,
                          "repeats": repeats, "warmup": warmup, "floor": floor, "backend": backend, "seed": seed,
+                         "matvec": matvec,
                          "inductor_cache": inductor_cache,
                          "labels": list(runners), "logits_to_keep": 1,
                          "dtype": str(next(models[0][1].parameters()).dtype).replace("torch.", "")},

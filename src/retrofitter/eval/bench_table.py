@@ -76,6 +76,13 @@ def format_bench_table(bench: dict, markdown: bool = False) -> str:
     return "\n".join(lines + notes)
 
 
+def _matvec_cell(choice: dict) -> str:
+    """How a compiled decode step ran its linear maps, with ``choose_matvec``'s two timings where it measured."""
+    if choice.get("blas_ms") is None:
+        return choice["matvec"]
+    return f"{choice['matvec']} (blas {choice['blas_ms']:.2f} / reduction {choice['reduction_ms']:.2f} ms)"
+
+
 def decode_rows(bench: dict) -> list[list[str]]:
     """Rows ``[mode, batch, model, measure, median, min–max, vs first, net]`` of a ``bench_decode`` dict
     (``net``: the ratio net of the overhead floor, ``(t − t_floor) / (t_first − t_floor)``)."""
@@ -88,6 +95,8 @@ def decode_rows(bench: dict) -> list[list[str]]:
                     median, spread = _cell(entry["prefill"], 1e3, 1)
                     rows.append([mode, batch, label, f"prefill {bench['settings']['prefill_len']} tok (ms)", median,
                                  spread, _fmt_ratio(ratios.get("prefill")), _fmt_ratio(ratios.get("prefill_net"))])
+                if entry.get("matvec"):
+                    rows.append([mode, batch, label, "decode linear maps", _matvec_cell(entry["matvec"]), "", "", ""])
                 for n, decode in sorted(entry["decode"].items(), key=lambda item: int(item[0])):
                     median, spread = _cell(decode["step_s"], 1e3, 2)
                     step = ratios["decode"][n]

@@ -26,10 +26,12 @@ attention core, cache updates and the framework's per-op cost.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
@@ -41,11 +43,15 @@ from ..adapters.latent_cache import LatentCacheLayer, StaticLatentCache, StaticL
 from ..modules.latent_attention import LatentAttention
 from ..modules.latent_linear import LatentLinear
 from ..modules.mla_attention import MLAAttention
+from ..ops.matvec import ReductionMatvec, matvec_reduction
 
-__all__ = ["CACHE_KINDS", "SkippedProjection", "compile_step", "prepare_for_compile", "decode_step", "fill_cache", "greedy_decode",
+__all__ = ["CACHE_KINDS", "MATVEC_CHOICES", "SkippedProjection", "choose_matvec", "compile_step", "prepare_for_compile",
+           "decode_step", "fill_cache", "greedy_decode",
            "make_cache", "model_kind", "prefill", "skip_projections"]
 
 CACHE_KINDS = ("dynamic", "static")
+# how a compiled decode step runs its linear maps: measured per machine and dtype (auto), BLAS calls, or reductions
+MATVEC_CHOICES = ("auto", "blas", "reduction")
 
 
 def model_kind(model: nn.Module) -> str:
@@ -103,17 +109,70 @@ def prepare_for_compile(model: nn.Module) -> nn.Module:
     return model
 
 
-def compile_step(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> Callable:
+def compile_step(model: nn.Module, backend: str = "inductor", fullgraph: bool = False,
+                 reduction_rows: int = 0) -> Callable:
     """``decode_step`` bound to ``model`` under ``torch.compile`` (static shapes; ``backend`` "inductor"
     generates fused kernels, "aot_eager" only traces: the quick check that tracing keeps the results).
     ``fullgraph``: a graph break is an error instead of a split into several compiled regions (tests use it:
-    a break per layer costs a guard check and a region call each, and the fusion across it)."""
+    a break per layer costs a guard check and a region call each, and the fusion across it).
+    ``reduction_rows`` > 0: every linear map of at most that many input rows (a decode step at batch b has b)
+    is traced as a multiply and a sum (``ops.matvec``), which inductor fuses into one reduction per weight;
+    ``choose_matvec`` measures whether that is faster than the BLAS call on this machine and dtype."""
     prepare_for_compile(model)
+    rows = int(reduction_rows)
 
     def step(tokens, position, cache):
-        return decode_step(model, tokens, position, cache)
+        if rows < 1:
+            return decode_step(model, tokens, position, cache)
+        with ReductionMatvec(rows):
+            return decode_step(model, tokens, position, cache)
 
     return torch.compile(step, dynamic=False, backend=backend, fullgraph=fullgraph)
+
+
+def _sampled_linears(model: nn.Module, count: int) -> list[torch.Tensor]:
+    """The output head's weight and up to ``count`` decoder projections' from the middle of the model: plain
+    float ``nn.Linear`` weights, the ones a decode step reads."""
+    linears = [m.weight for m in model.modules()
+               if type(m) is nn.Linear and type(m.weight.data) is torch.Tensor and m.weight.is_floating_point()]
+    head = model.get_output_embeddings()
+    head = [head.weight] if head is not None and any(w is head.weight for w in linears) else []
+    rest = [w for w in linears if not any(w is h for h in head)]
+    start = max(0, len(rest) // 2 - count // 2)
+    return head + rest[start:start + count]
+
+
+@torch.inference_mode()
+def choose_matvec(model: nn.Module, rows: int = 1, repeats: int = 7, count: int = 7) -> dict:
+    """Whether a compiled decode step of ``rows`` rows should run its linear maps as BLAS calls or as fused
+    reductions (``compile_step(reduction_rows=)``), measured on this machine: the output head and ``count``
+    decoder weights of ``model`` itself, each applied to random ``[rows, d]`` inputs, ``F.linear`` against the
+    compiled reduction, interleaved, ``repeats`` times after a warm-up. Returns ``{"matvec": "blas" |
+    "reduction", "blas_ms", "reduction_ms"}`` (medians of one pass over the sampled weights); off a CPU, or
+    with no plain float weights, "blas" without a measurement."""
+    weights = _sampled_linears(model, count)
+    if not weights or weights[0].device.type != "cpu":
+        return {"matvec": "blas", "blas_ms": None, "reduction_ms": None}
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights]
+
+    def blas(xs, ws):
+        return [F.linear(x, w) for x, w in zip(xs, ws)]
+
+    def reduction(xs, ws):
+        return [matvec_reduction(x, w) for x, w in zip(xs, ws)]
+
+    candidates = {"blas": blas, "reduction": torch.compile(reduction, dynamic=False)}
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for repetition in range(repeats + 1):
+        for name, run in candidates.items():
+            start = time.perf_counter()
+            run(inputs, weights)
+            if repetition:  # the first pass compiles and warms the caches
+                times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    return {"matvec": min(medians, key=medians.get), "blas_ms": medians["blas"],
+            "reduction_ms": medians["reduction"]}
 
 
 def _sync(device: torch.device) -> None:
