@@ -6,7 +6,7 @@ Each model's cache (static, as ``retrofitter bench --compile``) is filled to ``-
 the profiled self CPU time, the compiled regions entered and dynamo's guard checks ("cache lookups"; one per step
 when the step is one graph, more for every graph break), and the ops that take the most self time.
 
-    python benchmarks/profile_decode_compiled.py smollm2-135m runs/mla-0.25 --context 4096 --threads 2
+    python benchmarks/profile_decode_compiled.py smollm2-135m runs/mla-0.25 --context 4096 --threads 2 [--matvec reduction]
 
 Writes --json (default benchmarks/results/profile_decode_compiled.json) and prints one line per model.
 """
@@ -28,12 +28,13 @@ REGION, LOOKUP = "Torch-Compiled Region", "TorchDynamo Cache Lookup"
 
 
 @torch.inference_mode()
-def profile_steps(model, context: int, warmup: int, steps: int, top: int) -> dict:
-    """The per-step profile of a compiled decode step at ``context`` cached tokens (module docstring)."""
+def profile_steps(model, context: int, warmup: int, steps: int, top: int, matvec: str = "blas") -> dict:
+    """The per-step profile of a compiled decode step at ``context`` cached tokens (module docstring); ``matvec``
+    "reduction" traces its linear maps as fused reductions (``compile_step(reduction_rows=1)``)."""
     ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
     cache = make_cache(model, "static", max_cache_len=context + warmup + steps + 1)
     tokens = fill_cache(model, cache, ids[:, :min(512, context)], context).argmax(-1)   # [1, 1]
-    step = compile_step(model)
+    step = compile_step(model, reduction_rows=1 if matvec == "reduction" else 0)
     position = context
     for _ in range(warmup):
         step(tokens, torch.full((1, 1), position), cache)
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--matvec", choices=("blas", "reduction"), default="blas",
+                        help="how the step runs its linear maps (ops/matvec.py)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "profile_decode_compiled.json")
     args = parser.parse_args()
@@ -66,7 +69,8 @@ def main() -> None:
     rows = {}
     for label, path in zip(unique_labels(args.models), args.models):
         torch._dynamo.reset()
-        rows[label] = profile_steps(load_model(path)[0].eval(), args.context, args.warmup, args.steps, args.top)
+        rows[label] = profile_steps(load_model(path)[0].eval(), args.context, args.warmup, args.steps, args.top,
+                                     args.matvec)
         row = rows[label]
         print(f"{label:<28} {row['self_ms_per_step']:6.1f} ms a step, {row['compiled_regions_per_step']:.0f} compiled "
               f"regions, {row['cache_lookups_per_step']:.0f} cache lookups; " + ", ".join(

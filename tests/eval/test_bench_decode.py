@@ -99,3 +99,20 @@ def test_bench_cli_compile_mode(tmp_path, capsys):
     assert compiled["matvec"]["matvec"] in ("blas", "reduction") and compiled["matvec"]["blas_ms"] > 0  # auto measured
     out = capsys.readouterr().out
     assert "decode step @ 8" in out and "decode linear maps" in out
+
+
+def test_inductor_cache_is_retrofitters_unless_the_user_chose_one(monkeypatch, tmp_path):
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from retrofitter.data.cache import cache_dir
+    from retrofitter.eval.bench_decode import persistent_inductor_cache
+
+    ours = str(cache_dir() / "inductor")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert persistent_inductor_cache() == ours == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing torchao leaves behind
+    assert persistent_inductor_cache() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert persistent_inductor_cache() == str(tmp_path / "mine")

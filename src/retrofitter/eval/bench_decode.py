@@ -29,15 +29,17 @@ import time
 
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from ..data.cache import cache_dir
 from .bench import cache_nbytes, machine_info, peak_memory
 from .decode_loop import (CACHE_KINDS, MATVEC_CHOICES, choose_matvec, compile_step, decode_step, fill_cache,
                           greedy_decode, make_cache, prepare_for_compile, skip_projections)
 
-__all__ = ["FLOOR_LABEL", "MODES", "bench_decode"]
+__all__ = ["FLOOR_LABEL", "MODES", "bench_decode", "persistent_inductor_cache"]
 
 MODES = ("eager", "compiled")
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 FLOOR_LABEL = "overhead floor"
 
 
@@ -128,6 +130,17 @@ class _Runner:
                 "peak_mb": record["peak_mb"], "cache_bytes": cache_bytes}
 
 
+def persistent_inductor_cache() -> str:
+    """``TORCHINDUCTOR_CACHE_DIR``: the user's if set, else retrofitter's cache (``data.cache.cache_dir()/inductor``)
+    instead of inductor's default under the system's temporary directory. Inductor writes its default into the
+    environment the first time anything asks for the directory (importing torchao does), so that value counts as
+    unset."""
+    current = os.environ.get(INDUCTOR_CACHE_VARIABLE)
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ[INDUCTOR_CACHE_VARIABLE] = str(cache_dir() / "inductor")
+    return os.environ[INDUCTOR_CACHE_VARIABLE]
+
+
 def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup, matvec) -> None:
     labels = [label for label, _ in models]
     if not models or len(set(labels)) != len(labels):
@@ -168,7 +181,7 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
     _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup, matvec)
     inductor_cache = None
     if "compiled" in modes:  # compiled kernels and graphs persist between runs (minutes of compiling saved)
-        inductor_cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        inductor_cache = persistent_inductor_cache()
     choices = matvec if isinstance(matvec, dict) else {label: matvec for label, _ in models}
     runners = {label: _Runner(model, cache, backend, choices[label]) for label, model in models}
     if floor:  # no projection left to run either way
