@@ -104,21 +104,25 @@ def test_static_cache_decodes_like_generate(kind):
         assert_same_greedy(tokens, logits, reference, reference_logits, **GREEDY_TOLERANCE)
 
 
-@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid", "mla"])
-def test_traced_step_equals_eager_logits(kind):
-    torch._dynamo.reset()
-    model = _model(kind)
-    ids = _ids()
+def _assert_traced_equals_eager(model, ids, steps: int, **compile_options) -> None:
+    """``steps`` decode steps of ``compile_step(model, **compile_options)`` against eager ones on a second static
+    cache filled by the same prefill of ``ids``: equal logits to float32 rounding."""
     caches = [make_cache(model, "static", max_cache_len=16) for _ in range(2)]
     logits = [prefill(model, ids, cache) for cache in caches]
-    traced = compile_step(model, backend="aot_eager")
+    traced = compile_step(model, **compile_options)
     tokens = logits[0].argmax(-1)
     with torch.inference_mode():
-        for index in range(4):
+        for index in range(steps):
             position = torch.full((1, 1), ids.shape[1] + index)
             eager, compiled = decode_step(model, tokens, position, caches[0]), traced(tokens, position, caches[1])
             torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
             tokens = eager.argmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "latent", "hybrid", "mla"])
+def test_traced_step_equals_eager_logits(kind):
+    torch._dynamo.reset()
+    _assert_traced_equals_eager(_model(kind), _ids(), 4, backend="aot_eager")
 
 
 @pytest.mark.slow
@@ -211,16 +215,7 @@ def test_traced_step_with_reductions_equals_eager_logits(kind):
         return gm.forward
 
     ids = _ids()
-    caches = [make_cache(model, "static", max_cache_len=16) for _ in range(2)]
-    logits = [prefill(model, ids, cache) for cache in caches]
-    traced = compile_step(model, backend=backend, fullgraph=True, reduction_rows=ids.shape[0])  # b rows a step
-    tokens = logits[0].argmax(-1)
-    with torch.inference_mode():
-        for index in range(3):
-            position = torch.full((1, 1), ids.shape[1] + index)
-            eager, compiled = decode_step(model, tokens, position, caches[0]), traced(tokens, position, caches[1])
-            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-            tokens = eager.argmax(-1)
+    _assert_traced_equals_eager(model, ids, 3, backend=backend, fullgraph=True, reduction_rows=ids.shape[0])  # b rows
     targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
     assert graphs and torch._C._nn.linear not in targets and torch.nn.functional.linear not in targets
 

@@ -164,12 +164,15 @@ def choose_matvec(model: nn.Module, rows: int = 1, repeats: int = 7, count: int 
 
     candidates = {"blas": blas, "reduction": torch.compile(reduction, dynamic=False)}
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for repetition in range(repeats + 1):
-        for name, run in candidates.items():
-            start = time.perf_counter()
-            run(inputs, weights)
-            if repetition:  # the first pass compiles and warms the caches
-                times[name].append(time.perf_counter() - start)
+    # every call traces ``reduction`` (one code object) anew for its shapes: past dynamo's default limit of 8 traces
+    # it would run eagerly, materialising x ⊙ W, and the measurement would say nothing of the compiled form
+    with torch._dynamo.config.patch(recompile_limit=1024, fail_on_recompile_limit_hit=True):
+        for repetition in range(repeats + 1):
+            for name, run in candidates.items():
+                start = time.perf_counter()
+                run(inputs, weights)
+                if repetition:  # the first pass compiles and warms the caches
+                    times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     return {"matvec": min(medians, key=medians.get), "blas_ms": medians["blas"],
             "reduction_ms": medians["reduction"]}

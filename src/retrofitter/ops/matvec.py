@@ -6,9 +6,10 @@ reads each weight W [d_out, d] once. Written as
     y[..., j] = Σ_k x[..., k] · W[j, k]          (x [..., d] → y [..., d_out])
 
 with a broadcast multiply and a sum over k, inductor fuses it into one vectorised reduction kernel that streams W.
-On 2 AMD EPYC cores in float32 that kernel reads a decoder projection at 20–28 GB/s where ``F.linear`` (MKL's
-sgemv) reads it at 9–14 GB/s; in bfloat16 it is the other way round (3–12 against 11–16 GB/s), so whether it pays is
-measured, not assumed (``eval.decode_loop.choose_matvec``). Run eagerly the same expression would materialise
+On 2 AMD EPYC cores (benchmarks/matvec_bandwidth.py) that kernel reads SmolLM2-135M's projections at 25–32 GB/s
+for one row where ``F.linear`` (MKL's sgemv) reads them at 11–15 GB/s, float32 and bfloat16 alike; for 4 rows in
+bfloat16 MKL is the faster (12–15 against 9–11 GB/s), so whether it pays is measured, not assumed
+(``eval.decode_loop.choose_matvec``). Run eagerly the same expression would materialise
 x ⊙ W [..., d_out, d]: ``ReductionMatvec`` therefore routes only while ``torch.compile`` traces.
 
 Reference: ``F.linear`` itself; tests/ops/test_matvec.py compares them in float64.
