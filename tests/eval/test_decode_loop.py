@@ -229,3 +229,25 @@ def test_choose_matvec_measures_both_forms_on_the_models_weights():
     assert choice["matvec"] == faster
     floor = skip_projections(model)  # no plain linear weight left to read: nothing to measure
     assert choose_matvec(floor) == {"matvec": "blas", "blas_ms": None, "reduction_ms": None}
+
+
+def test_traced_step_with_reductions_leaves_quantized_weights_to_their_kernels():
+    """int8 weight-only projections (torchao subclasses) keep their own linear; the plain LM head is routed."""
+    from retrofitter.modules.quantize import quantize_model
+
+    torch._dynamo.reset()
+    model = quantize_model(_model("softmax"), "int8-weight")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = _ids()
+    _assert_traced_equals_eager(model, ids, 2, backend=backend, reduction_rows=ids.shape[0])
+    projections = sum(len(adapter_for(model).linear_names) for _ in adapter_for(model).decoder_layers(model))
+    for gm in graphs:  # every decoder projection still calls linear; the plain head does not
+        linears = [node for node in gm.graph.nodes
+                   if node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear)]
+        assert len(linears) == projections
+    assert graphs
