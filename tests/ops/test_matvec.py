@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retrofitter.ops.matvec import ReductionMatvec, matvec_reduction
+from retrofitter.ops import matvec as matvec_module
+from retrofitter.ops.matvec import ReductionMatvec, is_plain_float, matvec_reduction, plain_float_linear
 
 
 @pytest.mark.parametrize("shape", [(7,), (1, 7), (1, 1, 7), (3, 7), (2, 1, 7)])
@@ -54,14 +55,25 @@ def test_mode_routes_traced_calls_of_at_most_max_rows(rows, max_rows, routed):
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-13, atol=1e-13)
 
 
-def test_mode_leaves_eager_calls_alone():
+def test_mode_leaves_eager_calls_alone(monkeypatch):
     linear = nn.Linear(7, 5)
     x = torch.randn(1, 7, generator=torch.Generator().manual_seed(2))
+    routed = []
+    monkeypatch.setattr(matvec_module, "matvec_reduction", lambda *args: routed.append(args) or matvec_reduction(*args))
     with ReductionMatvec(1):
         eager = linear(x)
-    assert torch.equal(eager, F.linear(x, linear.weight, linear.bias))  # the same call: bitwise equal
+    assert routed == []  # not traced: F.linear itself ran
+    # float32 products of 7 terms of order 1: rounding below 7 · 2⁻²⁴ of Σ|x_k W_jk|
+    torch.testing.assert_close(eager, F.linear(x, linear.weight, linear.bias), rtol=1e-6, atol=1e-6)
 
 
 def test_mode_refuses_zero_rows():
     with pytest.raises(ValueError, match="max_rows >= 1"):
         ReductionMatvec(0)
+
+
+def test_plain_float_weights_only():
+    linear = nn.Linear(7, 5)
+    assert is_plain_float(linear.weight) and is_plain_float(torch.zeros(3)) and plain_float_linear(linear)
+    assert not is_plain_float(torch.zeros(3, dtype=torch.int8))
+    assert not plain_float_linear(nn.Embedding(4, 3)) and not plain_float_linear(type("Wrapped", (nn.Linear,), {})(7, 5))

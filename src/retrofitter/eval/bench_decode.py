@@ -141,6 +141,11 @@ def persistent_inductor_cache() -> str:
     return os.environ[INDUCTOR_CACHE_VARIABLE]
 
 
+def _matvec_per_label(matvec: str | dict[str, str], labels: list[str]) -> dict[str, str]:
+    """``bench_decode``'s ``matvec`` as one choice per model label."""
+    return dict(matvec) if isinstance(matvec, dict) else {label: matvec for label in labels}
+
+
 def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, warmup, matvec) -> None:
     labels = [label for label, _ in models]
     if not models or len(set(labels)) != len(labels):
@@ -149,7 +154,7 @@ def _check(models, modes, batch_sizes, contexts, cache, decode_tokens, repeats, 
         raise ValueError(f"{FLOOR_LABEL!r} is reserved for the overhead floor")
     if not modes or any(mode not in MODES for mode in modes):
         raise ValueError(f"modes must be among {MODES}; got {list(modes)}")
-    choices = matvec if isinstance(matvec, dict) else {label: matvec for label in labels}
+    choices = _matvec_per_label(matvec, labels)
     if set(choices) != set(labels) or any(choice not in MATVEC_CHOICES for choice in choices.values()):
         raise ValueError(f"matvec must be one of {MATVEC_CHOICES}, or one of them per model label {labels}; "
                          f"got {matvec!r}")
@@ -182,7 +187,7 @@ def bench_decode(models: list[tuple[str, nn.Module]], *, modes=MODES, batch_size
     inductor_cache = None
     if "compiled" in modes:  # compiled kernels and graphs persist between runs (minutes of compiling saved)
         inductor_cache = persistent_inductor_cache()
-    choices = matvec if isinstance(matvec, dict) else {label: matvec for label, _ in models}
+    choices = _matvec_per_label(matvec, [label for label, _ in models])
     runners = {label: _Runner(model, cache, backend, choices[label]) for label, model in models}
     if floor:  # no projection left to run either way
         runners[FLOOR_LABEL] = _Runner(skip_projections(models[0][1]), cache, backend, "blas")

@@ -43,7 +43,7 @@ from ..adapters.latent_cache import LatentCacheLayer, StaticLatentCache, StaticL
 from ..modules.latent_attention import LatentAttention
 from ..modules.latent_linear import LatentLinear
 from ..modules.mla_attention import MLAAttention
-from ..ops.matvec import ReductionMatvec, matvec_reduction
+from ..ops.matvec import ReductionMatvec, matvec_reduction, plain_float_linear
 
 __all__ = ["CACHE_KINDS", "MATVEC_CHOICES", "SkippedProjection", "choose_matvec", "compile_step", "prepare_for_compile",
            "decode_step", "fill_cache", "greedy_decode",
@@ -133,8 +133,7 @@ def compile_step(model: nn.Module, backend: str = "inductor", fullgraph: bool = 
 def _sampled_linears(model: nn.Module, count: int) -> list[torch.Tensor]:
     """The output head's weight and up to ``count`` decoder projections' from the middle of the model: plain
     float ``nn.Linear`` weights, the ones a decode step reads."""
-    linears = [m.weight for m in model.modules()
-               if type(m) is nn.Linear and type(m.weight.data) is torch.Tensor and m.weight.is_floating_point()]
+    linears = [m.weight for m in model.modules() if plain_float_linear(m)]
     head = model.get_output_embeddings()
     head = [head.weight] if head is not None and any(w is head.weight for w in linears) else []
     rest = [w for w in linears if not any(w is h for h in head)]

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.decode_attention import split_kv_decode_attention
+from ..ops.matvec import plain_float_linear
 
 __all__ = ["MLA_EXECUTIONS", "MLAAttention"]
 
@@ -91,11 +92,6 @@ def _cpu_threads() -> int:
     Python int, which breaks the traced graph in every layer); the thread count only picks how many stretches a
     split decode step runs, not its result."""
     return torch.get_num_threads()
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` itself whose weight is a plain floating tensor (not a quantized subclass)."""
-    return type(module) is nn.Linear and type(module.weight.data) is torch.Tensor and module.weight.is_floating_point()
 
 
 class _HeadsView:
@@ -222,7 +218,7 @@ class MLAAttention(nn.Module):
         is not a plain float ``nn.Linear`` (wrapped by LoRA, compressed or quantized: its weight is not the map)."""
         heads, r = self.n_heads, self.kv_rank
         with torch.no_grad():
-            if self.k_up is not None and self.qk_nope_dim == r and _plain_linear(self.q_proj):
+            if self.k_up is not None and self.qk_nope_dim == r and plain_float_linear(self.q_proj):
                 up = self.k_up.to(torch.float64)                                    # [r', r]
                 weight = self.q_proj.weight.view(heads, r + self.rope_dim, -1)       # [h, r' + 2m, d]
                 weight[:, :r] = torch.einsum("kr,hkd->hrd", up, weight[:, :r].to(torch.float64)).to(weight.dtype)
@@ -230,7 +226,7 @@ class MLAAttention(nn.Module):
                     bias = self.q_proj.bias.view(heads, r + self.rope_dim)
                     bias[:, :r] = (bias[:, :r].to(torch.float64) @ up).to(bias.dtype)
                 self.register_parameter("k_up", None)
-            if self.v_up is not None and self.head_dim == r and _plain_linear(self.o_proj):
+            if self.v_up is not None and self.head_dim == r and plain_float_linear(self.o_proj):
                 weight = self.o_proj.weight.view(-1, heads, self.head_dim)         # [d, h, dh]
                 value = self._value_heads().to(torch.float64)                      # [h, dh, r]
                 weight.copy_(torch.einsum("dhk,hkr->dhr", weight.to(torch.float64), value).to(weight.dtype))

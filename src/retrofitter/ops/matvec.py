@@ -6,10 +6,10 @@ reads each weight W [d_out, d] once. Written as
     y[..., j] = Σ_k x[..., k] · W[j, k]          (x [..., d] → y [..., d_out])
 
 with a broadcast multiply and a sum over k, inductor fuses it into one vectorised reduction kernel that streams W.
-On 2 AMD EPYC cores (benchmarks/matvec_bandwidth.py) that kernel reads SmolLM2-135M's projections at 25–32 GB/s
-for one row where ``F.linear`` (MKL's sgemv) reads them at 11–15 GB/s, float32 and bfloat16 alike; for 4 rows in
-bfloat16 MKL is the faster (12–15 against 9–11 GB/s), so whether it pays is measured, not assumed
-(``eval.decode_loop.choose_matvec``). Run eagerly the same expression would materialise
+On 2 AMD EPYC cores (benchmarks/matvec_bandwidth.py, random weights of SmolLM2-135M's projection shapes) that
+kernel reads one row's weights at 25–35 GB/s where ``F.linear`` (MKL's sgemv) reads them at 11–17 GB/s, float32 and
+bfloat16 alike; for 4 rows in bfloat16 MKL is the faster (12–15 against 9–11 GB/s), so whether it pays is measured,
+not assumed (``eval.decode_loop.choose_matvec``). Run eagerly the same expression would materialise
 x ⊙ W [..., d_out, d]: ``ReductionMatvec`` therefore routes only while ``torch.compile`` traces.
 
 Reference: ``F.linear`` itself; tests/ops/test_matvec.py compares them in float64.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ReductionMatvec", "matvec_reduction"]
+__all__ = ["ReductionMatvec", "is_plain_float", "matvec_reduction", "plain_float_linear"]
 
 
 def matvec_reduction(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,9 +31,14 @@ def matvec_reduction(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out + bias
 
 
-def _plain(weight) -> bool:
+def is_plain_float(tensor) -> bool:
     """A plain floating tensor or parameter (not a quantized or otherwise wrapped subclass)."""
-    return type(weight) in (torch.Tensor, nn.Parameter) and weight.is_floating_point()
+    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.is_floating_point()
+
+
+def plain_float_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (not a subclass or wrapper) whose weight ``is_plain_float``: its weight is the map."""
+    return type(module) is nn.Linear and is_plain_float(module.weight)
 
 
 class ReductionMatvec(TorchFunctionMode):
@@ -52,7 +57,7 @@ class ReductionMatvec(TorchFunctionMode):
         if func is F.linear and torch.compiler.is_compiling():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (x.device.type == "cpu" and x.ndim >= 1 and x.shape[:-1].numel() <= self.max_rows and _plain(weight)
-                    and weight.dtype == x.dtype and (bias is None or _plain(bias))):
+            if (x.device.type == "cpu" and x.shape[:-1].numel() <= self.max_rows and is_plain_float(weight)
+                    and weight.dtype == x.dtype and (bias is None or is_plain_float(bias))):
                 return matvec_reduction(x, weight, bias)
         return func(*args, **kwargs)
